@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs paratrain into .venv and runs the whole test suite (unit, distributed, end-to-end).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+export OMP_NUM_THREADS=1
+exec .venv/bin/python -m pytest "$@"

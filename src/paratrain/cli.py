@@ -1,0 +1,118 @@
+"""`paratrain` on the command line. A user error is one line on stderr and exit code 2; a crash
+inside paratrain keeps its traceback (that one is ours to fix)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from .errors import ParatrainError
+
+USAGE_EXIT = 2
+
+
+def _split_config_args(args: Sequence[str]) -> Tuple[Optional[str], List[str]]:
+    """`[CONFIG.yaml] [key=value ...]`: the first argument without '=' is the config file."""
+    path: Optional[str] = None
+    overrides: List[str] = []
+    for i, a in enumerate(args):
+        if "=" not in a and i == 0:
+            path = a
+        else:
+            overrides.append(a)
+    return path, overrides
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    from .config import TrainConfig
+    from .trainer import Trainer
+    path, overrides = _split_config_args(ns.args)
+    cfg = TrainConfig.from_yaml(path, overrides)
+    result = Trainer(cfg).fit()
+    if result.is_master:
+        print(f"final loss {result.final_loss:.4f}"
+              + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None
+                 else "") + f"; run dir: {result.run_dir}")
+    return 0
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import load_model
+    from .models import generate
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(ns.run_dir, device=device)
+    if tokenizer is None:
+        raise ParatrainError(f"{ns.run_dir!r} has no tokenizer.json next to the model")
+    ids = [tokenizer.bot_id] + tokenizer.encode(ns.prompt) if ns.bos else \
+        tokenizer.encode(ns.prompt)
+    if not ids:
+        raise ParatrainError("--prompt encodes to no tokens; give some text, e.g. --prompt 'def '")
+    g = torch.Generator(device=device).manual_seed(ns.seed)
+    idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T0)
+    out = generate(model, idx, ns.max_new_tokens, temperature=ns.temperature,
+                   top_k=ns.top_k or None, eos_id=tokenizer.eot_id, generator=g)
+    print(tokenizer.decode(out[0].tolist()))
+    return 0
+
+
+def cmd_config_show(ns: argparse.Namespace) -> int:
+    from .config import TrainConfig
+    path, overrides = _split_config_args(ns.args)
+    print(TrainConfig.from_yaml(path, overrides).to_yaml(redact=True), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="paratrain",
+        description="Train PyTorch language models on many devices with data parallelism.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    t = sub.add_parser("train", help="train a model (no arguments: the default job)",
+                       description="Train. With no arguments: a small Llama on the Python "
+                                   "standard library's source, on all local devices.")
+    t.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]",
+                   help="a YAML config and/or dotted overrides such as trainer.max_steps=100")
+    t.set_defaults(func=cmd_train)
+
+    g = sub.add_parser("generate", help="sample text from a trained run")
+    g.add_argument("run_dir", help="a run dir (runs/<name>) or its model/ folder")
+    g.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    g.add_argument("--max-new-tokens", type=int, default=100)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    g.add_argument("--top-k", type=int, default=50, help="0 means no top-k filtering")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
+    g.add_argument("--bos", action="store_true",
+                   help="start with [BOT], as padded-format training saw documents start")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("config", help="show the resolved configuration")
+    csub = c.add_subparsers(dest="config_command", metavar="ACTION")
+    csub.required = True
+    cs = csub.add_parser("show", help="print the resolved config as YAML")
+    cs.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
+    cs.set_defaults(func=cmd_config_show)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ParatrainError as e:
+        print(f"paratrain: error: {e}", file=sys.stderr)
+        return USAGE_EXIT
+    except KeyboardInterrupt:
+        print("paratrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

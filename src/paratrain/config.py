@@ -1,0 +1,306 @@
+"""The configuration tree: typed dataclasses checked by OmegaConf, YAML plus dotted overrides.
+
+Every check that can fail without starting a process lives here (or in `launch.parse_devices`),
+so that a typo costs a second, not a launch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .errors import ConfigError
+
+ARCHS = ("llama", "gpt")
+STRATEGIES = ("auto", "single", "ddp", "fsdp", "dp")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+FORMATS = ("packed", "padded")
+TOKENIZERS = ("bpe", "char")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass
+class RunConfig:
+    name: str = "stdlib-llama"
+    dir: Optional[str] = None  # default: runs/<name>
+    overwrite: bool = False  # allow writing into a run dir that holds another run
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "llama"
+    preset: Optional[str] = "small"  # fills the unset sizes below; see models/presets.py
+    hidden_size: Optional[int] = None
+    num_layers: Optional[int] = None
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    vocab_size: Optional[int] = None  # default: the tokenizer's
+    max_seq_length: Optional[int] = None  # default: data.seq_length
+    tie_embeddings: Optional[bool] = None
+    dropout: float = 0.0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib | file | directory | glob | *.jsonl | *.parquet
+    text_field: str = "text"  # for jsonl / parquet
+    seq_length: int = 256
+    vocab_size: int = 4096  # BPE vocabulary to train
+    tokenizer: str = "bpe"  # bpe | char
+    format: str = "packed"  # packed | padded
+    val_fraction: float = 0.02
+    max_bytes: Optional[int] = None  # read at most this much text (documents in sorted order)
+    cache_dir: Optional[str] = None  # default: $XDG_CACHE_HOME/paratrain or ~/.cache/paratrain
+    num_workers: int = 0  # DataLoader worker processes per rank
+
+
+@dataclass
+class TrainerConfig:
+    devices: Any = "auto"  # auto | cpu:N | [0, 1] | cuda:0,1 | cuda | cpu
+    strategy: str = "auto"
+    precision: str = "fp32"
+    batch_size: int = 8  # per device, per micro-step
+    global_batch_size: Optional[int] = None  # derive gradient accumulation from this
+    max_steps: Optional[int] = 300
+    epochs: int = 1  # used when max_steps is null
+    seed: int = 1337
+    log_every: int = 10
+    eval_every: int = 100
+    eval_samples: Optional[int] = None  # evaluate on the first N validation windows (null: all)
+    verbose: bool = False
+    activation_checkpointing: bool = False
+    compile: bool = False
+    cpu_offload: bool = False
+    progress_bar: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.1
+    eps: float = 1e-8
+    warmup_steps: int = 30
+    min_lr: float = 1e-4
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # default: <run.dir>/checkpoints
+    every_steps: int = 0
+    keep_last: int = 2
+    resume: str = "auto"
+
+
+@dataclass
+class DistributedConfig:
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: pick a free port (single node only)
+    nnodes: int = 1
+    node_rank: int = 0
+    timeout_s: float = 300.0
+    max_restarts: int = 0
+    backend: str = "auto"
+
+
+@dataclass
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: Optional[str | os.PathLike] = None,
+                  overrides: Sequence[str] = ()) -> "TrainConfig":
+        """Defaults, then the YAML file, then `key=value` overrides; validated."""
+        layers = []
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file "
+                                  "or no file for the defaults")
+            try:
+                loaded = OmegaConf.load(p)
+            except Exception as e:  # yaml.YAMLError and friends
+                raise ConfigError(f"config file {str(path)!r} is not valid YAML: "
+                                  f"{_first_line(e)}") from None
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections "
+                                  "(run:, model:, data:, trainer:, ...)")
+            layers.append(loaded)
+        for item in overrides:
+            if "=" not in item or item.startswith("="):
+                raise ConfigError(f"override {item!r} is not of the form key=value "
+                                  "(for example trainer.max_steps=100)")
+        if overrides:
+            try:
+                layers.append(OmegaConf.from_dotlist(list(overrides)))
+            except OmegaConfBaseException as e:
+                raise ConfigError(f"cannot parse overrides: {_first_line(e)}") from None
+        return cls.from_layers(*layers)
+
+    @classmethod
+    def from_layers(cls, *layers: Any) -> "TrainConfig":
+        schema = OmegaConf.structured(cls)
+        try:
+            merged = OmegaConf.merge(schema, *layers)
+        except OmegaConfBaseException as e:
+            raise ConfigError(_omegaconf_message(e)) from None
+        cfg = OmegaConf.to_object(merged)
+        assert isinstance(cfg, TrainConfig)
+        validate(cfg)
+        return cfg
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        return cls.from_layers(OmegaConf.create(d))
+
+    def with_overrides(self, overrides: Sequence[str]) -> "TrainConfig":
+        return TrainConfig.from_layers(OmegaConf.structured(self),
+                                       OmegaConf.from_dotlist(list(overrides)))
+
+    def to_dict(self) -> dict:
+        return OmegaConf.to_container(OmegaConf.structured(self), resolve=True)  # type: ignore
+
+    def to_yaml(self, redact: bool = True) -> str:
+        d = self.to_dict()
+        return OmegaConf.to_yaml(redact_secrets(d) if redact else d)
+
+    # ---- derived values -----------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
+
+    @property
+    def cache_dir(self) -> Path:
+        if self.data.cache_dir:
+            return Path(self.data.cache_dir).expanduser()
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "paratrain"
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no files and no processes. Raises ConfigError naming the key."""
+    _choice("model.arch", cfg.model.arch, ARCHS)
+    _choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
+    _choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
+    _choice("data.format", cfg.data.format, FORMATS)
+    _choice("data.tokenizer", cfg.data.tokenizer, TOKENIZERS)
+    _choice("distributed.backend", cfg.distributed.backend, BACKENDS)
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name):
+        raise ConfigError(f"run.name={cfg.run.name!r} may hold only letters, digits, '.', '_' "
+                          "and '-'")
+    positive = {
+        "data.seq_length": cfg.data.seq_length, "data.vocab_size": cfg.data.vocab_size,
+        "trainer.batch_size": cfg.trainer.batch_size, "trainer.epochs": cfg.trainer.epochs,
+        "trainer.log_every": cfg.trainer.log_every, "trainer.eval_every": cfg.trainer.eval_every,
+        "distributed.nnodes": cfg.distributed.nnodes,
+        "distributed.timeout_s": cfg.distributed.timeout_s,
+    }
+    optional_positive = {
+        "trainer.max_steps": cfg.trainer.max_steps,
+        "trainer.global_batch_size": cfg.trainer.global_batch_size,
+        "trainer.eval_samples": cfg.trainer.eval_samples,
+        "data.max_bytes": cfg.data.max_bytes,
+        "model.hidden_size": cfg.model.hidden_size, "model.num_layers": cfg.model.num_layers,
+        "model.num_heads": cfg.model.num_heads, "model.num_kv_heads": cfg.model.num_kv_heads,
+        "model.intermediate_size": cfg.model.intermediate_size,
+        "model.vocab_size": cfg.model.vocab_size, "model.max_seq_length": cfg.model.max_seq_length,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be positive")
+    for key, value in optional_positive.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}={value} must be positive (or null for the default)")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ConfigError(f"model.dropout={cfg.model.dropout} must be in [0, 1)")
+    if cfg.data.tokenizer == "bpe" and cfg.data.vocab_size < 260:
+        raise ConfigError(f"data.vocab_size={cfg.data.vocab_size} is too small for a byte-level "
+                          "BPE tokenizer (256 bytes + special tokens); use at least 260")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
+    o = cfg.optim
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"optim.lr={o.lr} must be positive and optim.min_lr={o.min_lr} "
+                          "between 0 and optim.lr")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
+    if o.warmup_steps < 0 or o.weight_decay < 0 or o.grad_clip < 0:
+        raise ConfigError("optim.warmup_steps, optim.weight_decay and optim.grad_clip "
+                          "must be >= 0")
+    if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 1:
+        raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep_last >= 1")
+    d = cfg.distributed
+    if not 0 <= d.master_port <= 65535:
+        raise ConfigError(f"distributed.master_port={d.master_port} must be in 0..65535")
+    if not 0 <= d.node_rank < d.nnodes:
+        raise ConfigError(f"distributed.node_rank={d.node_rank} must be in 0..nnodes-1 "
+                          f"(nnodes={d.nnodes})")
+    if d.nnodes > 1 and d.master_port == 0:
+        raise ConfigError("distributed.master_port must be set (the same on every node) when "
+                          "distributed.nnodes > 1")
+    if d.max_restarts < 0:
+        raise ConfigError(f"distributed.max_restarts={d.max_restarts} must be >= 0")
+    # Model shape checks need the preset applied; models.presets does them (ConfigError too).
+    from .models.presets import resolve_model_config
+    resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
+                         seq_length=cfg.data.seq_length)
+
+
+_SECRET = re.compile(r"(secret|password|passwd|token|credential|access_key|api_key|"
+                     r"private_key|session_key)", re.IGNORECASE)
+_URL_CREDS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
+
+
+def redact_secrets(obj: Any) -> Any:
+    """A copy with credential-looking values masked: never write secrets into a run dir."""
+    if isinstance(obj, dict):
+        return {k: ("***" if _SECRET.search(str(k)) and obj[k] not in (None, "")
+                    else redact_secrets(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact_secrets(v) for v in obj]
+    if isinstance(obj, str):
+        return _URL_CREDS.sub(r"\g<scheme>***@", obj)
+    return obj
+
+
+def _choice(key: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _omegaconf_message(e: OmegaConfBaseException) -> str:
+    """OmegaConf's messages are multi-line; keep the key and the fix on one line."""
+    key = getattr(e, "full_key", None) or ""
+    msg = _first_line(e)
+    if "not in struct" in msg or "Key '" in msg and "not in" in msg:
+        return f"unknown config key {key!r}; run `paratrain config show` to list the keys"
+    if "Value '" in msg and ("could not be converted" in msg or "is not a valid" in msg):
+        value = getattr(e, "value", None)
+        typ = getattr(e, "ref_type", None) or getattr(e, "object_type", None)
+        tname = getattr(typ, "__name__", None) or str(typ)
+        return f"{key}={value!r} has the wrong type: {msg}" if not tname else \
+            f"{key}={value!r} has the wrong type ({msg})"
+    return f"{key}: {msg}" if key else msg

@@ -1,0 +1,24 @@
+"""Typed errors: the CLI turns any ParatrainError into one line and exit code 2.
+
+Anything else that escapes is a bug in paratrain (or torch) and keeps its traceback.
+"""
+
+
+class ParatrainError(Exception):
+    """A problem the user can fix: bad config, missing data, a run dir in the way."""
+
+
+class ConfigError(ParatrainError, ValueError):
+    """A configuration key has a value that cannot work."""
+
+
+class DataError(ParatrainError):
+    """A data source is missing, empty, or too small for the requested batch."""
+
+
+class RunDirError(ParatrainError):
+    """The run directory already holds another run."""
+
+
+class TrainingError(ParatrainError):
+    """A worker process failed; the message names the rank and the cause."""

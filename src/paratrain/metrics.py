@@ -1,0 +1,166 @@
+"""What a run reports: the console log, metrics.jsonl, summary.json, memory per rank, the bar.
+
+Only global rank 0 writes; every other rank gets writers that do nothing, so the loop has no
+rank checks of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .dist import DistEnv
+from .strategies import local_bytes
+
+
+def log(env: DistEnv, msg: str) -> None:
+    """One line on global rank 0's stderr (stdout stays clean for results)."""
+    if env.is_master:
+        print(f"[paratrain] {msg}", file=sys.stderr, flush=True)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Temp file in the same directory, fsync, rename: a reader sees the old file or the new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, torch.Tensor):
+        return x.item() if x.numel() == 1 else x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per logged step, appended and flushed line by line so a
+    crashed run keeps every line it logged (a line is one write; a reader never sees half)."""
+
+    def __init__(self, path: Optional[Path]):
+        self.path = path
+        self._f = open(path, "a") if path is not None else None
+
+    def write(self, record: dict) -> None:
+        if self._f is not None:
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                     for k, v in record.items()}
+            self._f.write(json.dumps(clean) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+class ProgressBar:
+    """tqdm on global rank 0 only; a no-op elsewhere or when switched off."""
+
+    def __init__(self, env: DistEnv, total: int, initial: int = 0, enabled: bool = True):
+        self._bar = None
+        if env.is_master and enabled:
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=total, initial=initial, desc="train", unit="step",
+                             dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, n: int = 1, **postfix: Any) -> None:
+        if self._bar is not None:
+            if postfix:
+                self._bar.set_postfix(postfix, refresh=False)
+            self._bar.update(n)
+
+    def write(self, msg: str) -> None:
+        if self._bar is not None:
+            self._bar.write(msg, file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class Throughput:
+    """Tokens and seconds since the last report: tokens/s and mean step time of the window."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.steps = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+        self.steps += 1
+
+    def report(self) -> dict:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        out = {"tokens_per_s": self.tokens / dt, "step_time_s": dt / max(1, self.steps)}
+        self.reset()
+        return out
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated by the caching allocator on GPUs; peak resident set of the process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def memory_entry(env: DistEnv, model: nn.Module,
+                 optimizer: Optional[torch.optim.Optimizer]) -> dict:
+    params = list(model.parameters())
+    opt_tensors = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            opt_tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    entry = {"rank": env.rank, "device": str(env.device),
+             "params_bytes": local_bytes(params),
+             "grads_bytes": local_bytes(p.grad for p in params),
+             "optimizer_bytes": local_bytes(opt_tensors),
+             "peak_bytes": peak_memory_bytes(env.device)}
+    if env.device.type == "cuda":
+        entry["reserved_bytes"] = int(torch.cuda.max_memory_reserved(env.device))
+    return entry
+
+
+def gather_memory(env: DistEnv, model: nn.Module,
+                  optimizer: Optional[torch.optim.Optimizer]) -> list[dict]:
+    """Every rank's memory entry, gathered to all ranks (rank 0 prints and saves them)."""
+    return env.gather_objects(memory_entry(env, model, optimizer))
+
+
+def format_memory_table(rows: list[dict]) -> str:
+    def mb(x: int) -> str:
+        return f"{x / 2**20:9.1f}"
+    lines = ["rank  device     params MB  grads MB  optim MB   peak MB"]
+    for r in rows:
+        lines.append(f"{r['rank']:>4}  {r['device']:<9} {mb(r['params_bytes'])} "
+                     f"{mb(r['grads_bytes'])} {mb(r['optimizer_bytes'])} {mb(r['peak_bytes'])}")
+    return "\n".join(lines)

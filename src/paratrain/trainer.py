@@ -1,0 +1,400 @@
+"""Trainer.fit(): check everything, start the workers, run the loop on each rank, return.
+
+The loop is the nanoGPT loop with three rules that make it exact across world sizes:
+- every global batch is the same set of samples whatever the world size (GlobalSampler);
+- the loss is a token-weighted mean over all ranks and micro-steps: each micro-step backpropagates
+  sum(token losses) * world / (tokens in the global batch), and DDP's gradient mean over ranks
+  undoes the `* world`, so the gradient does not depend on how the batch was split;
+- validation visits every sample exactly once, and every rank runs the same number of batches
+  (a rank out of samples runs a dummy batch that counts zero tokens), so wrappers that
+  communicate in forward never wait on a rank that has stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import checkpoint, launch, metrics, optim, precision, strategies
+from .config import TrainConfig
+from .dist import DistEnv
+from .errors import ConfigError, DataError, RunDirError
+from .metrics import log
+
+IGNORE_INDEX = -100
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", checkpoint.MODEL_DIR)
+
+
+@dataclass
+class RunResult:
+    """What fit() returns in the calling process. On a non-master node of a multi-node job
+    `is_master` is False and the figures are those that node saw."""
+    run_dir: Path
+    final_loss: Optional[float]
+    val_loss: Optional[float]
+    steps: int
+    summary: dict = field(default_factory=dict)
+    is_master: bool = True
+
+
+class Trainer:
+    """`Trainer(cfg).fit()`; keyword arguments set `trainer.*` keys (devices=, strategy=, ...),
+    `distributed_config={...}` sets `distributed.*`, `overrides=[...]` takes dotted keys."""
+
+    def __init__(self, cfg: Optional[TrainConfig] = None, *, overrides: tuple = (),
+                 distributed_config: Optional[dict] = None, **trainer_kwargs: Any):
+        cfg = cfg if cfg is not None else TrainConfig.from_yaml()
+        known = set(TrainConfig().trainer.__dataclass_fields__)
+        dotted = list(overrides)
+        for k, v in trainer_kwargs.items():
+            if k not in known:
+                raise ConfigError(f"Trainer() got an unknown argument {k!r}; trainer keys are: "
+                                  f"{', '.join(sorted(known))}")
+            dotted.append(f"trainer.{k}={_dot_value(v)}")
+        for k, v in (distributed_config or {}).items():
+            dotted.append(f"distributed.{k}={_dot_value(v)}")
+        self.cfg = cfg.with_overrides(dotted) if dotted else cfg
+
+    def fit(self) -> RunResult:
+        cfg = self.cfg
+        launcher = launch.detect_launcher()
+        if launcher is not None:  # torchrun / Slurm started us: we are one rank
+            env = launch.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
+                                         cfg.distributed.timeout_s)
+            return _result(train(cfg, env))
+        devices = launch.parse_devices(cfg.trainer.devices)
+        check_run_dir(cfg)
+        from .data import prepare_data
+        prepare_data(cfg.data, cfg.cache_dir, log=lambda m: log(DistEnv(), m))  # once, here
+        d = cfg.distributed
+        if len(devices) == 1 and d.nnodes == 1:
+            env = DistEnv.single(devices[0])
+            return _result(train(cfg, env))
+        results = launch.launch_workers(
+            worker_entry, (cfg.to_dict(), [str(x) for x in devices]), nproc=len(devices),
+            master_addr=d.master_addr, master_port=d.master_port, nnodes=d.nnodes,
+            node_rank=d.node_rank, max_restarts=d.max_restarts, timeout_s=d.timeout_s)
+        return _result(results[min(results)])
+
+
+def worker_entry(cfg_dict: dict, devices: list[str]) -> dict:
+    """One worker started by the elastic agent (pickled by name, so it lives at module level)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+    return record(_worker_main)(cfg_dict, devices)
+
+
+def _worker_main(cfg_dict: dict, devices: list[str]) -> dict:
+    cfg = TrainConfig.from_dict(cfg_dict)
+    launcher = launch.detect_launcher()
+    assert launcher is not None, "worker_entry runs under the elastic agent"
+    device = torch.device(devices[launcher.local_rank])
+    env = DistEnv(rank=launcher.rank, local_rank=launcher.local_rank,
+                  world_size=launcher.world_size, local_world_size=launcher.local_world_size,
+                  node_rank=launcher.node_rank, nnodes=launcher.nnodes, device=device,
+                  backend=launch.default_backend(device, cfg.distributed.backend),
+                  timeout_s=cfg.distributed.timeout_s)
+    return train(cfg, env)
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """Refuse to write over another run unless told to: nothing of it is lost by a typo."""
+    d = cfg.run_dir
+    if d.exists() and not d.is_dir():
+        raise RunDirError(f"run.dir {str(d)!r} is a file; choose another run.name or run.dir")
+    held = [f for f in RUN_FILES if (d / f).exists()]
+    if held and not cfg.run.overwrite:
+        raise RunDirError(f"run.dir {str(d)!r} already holds a run ({', '.join(held)}); choose "
+                          "another run.name or run.dir, or pass run.overwrite=true to replace it")
+
+
+def _result(out: dict) -> RunResult:
+    s = out["summary"]
+    return RunResult(run_dir=Path(out["run_dir"]), final_loss=s.get("final_loss"),
+                     val_loss=s.get("val_loss"), steps=s.get("steps", 0), summary=s,
+                     is_master=out["is_master"])
+
+
+# ---- one rank ----------------------------------------------------------------------------------
+def train(cfg: TrainConfig, env: DistEnv) -> dict:
+    """The whole run on one rank: set up, loop, evaluate, save, tear down."""
+    from .data import build_dataset, prepare_data, wait_for_data
+    from .models import build_model, count_params, resolve_model_config
+
+    t_start = time.perf_counter()
+    if env.device.type == "cpu":  # ranks sharing the cores: one slice each, not all each
+        torch.set_num_threads(max(1, launch.cpu_count() // env.local_world_size))
+    check_run_dir(cfg)  # every rank, before init: nobody has written anything yet
+    precision.check_precision(cfg.trainer.precision, env.device)
+    env.init()
+    model = optimizer = None
+    try:
+        # Data: local rank 0 builds the cache (a no-op when the launcher already did), the
+        # other ranks of the node wait for it; a node that shares the directory reuses it.
+        if env.is_local_master:
+            prepared = prepare_data(cfg.data, cfg.cache_dir, log=lambda m: log(env, m))
+        else:
+            prepared = wait_for_data(cfg.data, cfg.cache_dir, timeout_s=3600.0)
+        tokenizer = prepared.tokenizer()
+        train_ds = build_dataset(prepared, "train", cfg.data)
+        val_ds = build_dataset(prepared, "val", cfg.data)
+
+        tr = cfg.trainer
+        accum, global_batch = batch_plan(tr.batch_size, env.world_size, tr.global_batch_size)
+        steps_per_epoch = len(train_ds) // global_batch
+        if steps_per_epoch < 1:
+            raise DataError(f"data.source={cfg.data.source!r} gives {len(train_ds)} training "
+                            f"sequences of data.seq_length={cfg.data.seq_length}, fewer than one "
+                            f"global batch of {global_batch} (trainer.batch_size={tr.batch_size} "
+                            f"x {env.world_size} workers x {accum} accumulation); use more text, "
+                            "a shorter data.seq_length or a smaller batch")
+        total_steps = tr.max_steps or tr.epochs * steps_per_epoch
+
+        strategy, why = strategies.resolve_strategy(tr.strategy, env)
+        args = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or
+                                    tokenizer.vocab_size, seq_length=cfg.data.seq_length)
+        torch.manual_seed(tr.seed)  # the same initial weights on every rank
+        model = precision.prepare_model(build_model(args), tr.precision)
+        n_params = count_params(model)
+        model = strategies.parallelize(model, strategy, env,
+                                       activation_checkpointing=tr.activation_checkpointing,
+                                       compile=tr.compile)
+        torch.manual_seed(tr.seed + 1 + env.rank)  # dropout differs between ranks
+        optimizer = optim.build_optimizer(model, cfg.optim, env.device)
+        scheduler = optim.build_scheduler(optimizer, cfg.optim, total_steps)
+        scaler = precision.grad_scaler(tr.precision, env.device)
+
+        run_dir = cfg.run_dir
+        if env.is_master:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            for stale in ("metrics.jsonl", "summary.json"):  # run.overwrite=true
+                (run_dir / stale).unlink(missing_ok=True)
+            metrics.write_text_atomic(run_dir / "config.yaml", cfg.to_yaml(redact=True))
+        log(env, f"model {args.arch}: {n_params / 1e6:.2f}M parameters; strategy {strategy} "
+                 f"({why}); {env.world_size} worker(s) on {env.device.type}; precision "
+                 f"{tr.precision}")
+        log(env, f"batch: {tr.batch_size} per device x {env.world_size} workers x {accum} "
+                 f"accumulation = {global_batch} sequences of {cfg.data.seq_length} tokens; "
+                 f"{total_steps} steps ({steps_per_epoch} per epoch)")
+        if tr.verbose:
+            log(env, "memory at start:\n" + metrics.format_memory_table(
+                metrics.gather_memory(env, model, optimizer)))
+
+        loop = _Loop(cfg, env, model, optimizer, scheduler, scaler, train_ds, val_ds,
+                     accum, global_batch, steps_per_epoch, total_steps)
+        last = loop.run()
+        val_loss = loop.evaluate()
+        if val_loss is not None:
+            log(env, f"validation loss {val_loss:.4f} (perplexity {math.exp(val_loss):.2f})")
+        memory = metrics.gather_memory(env, model, optimizer)
+        if tr.verbose:
+            log(env, "memory at end:\n" + metrics.format_memory_table(memory))
+
+        state = checkpoint.full_state_dict(model, env)
+        wall = time.perf_counter() - t_start
+        summary = {
+            "steps": total_steps, "epochs": total_steps / steps_per_epoch,
+            "final_loss": last.get("loss"), "val_loss": val_loss,
+            "val_perplexity": math.exp(val_loss) if val_loss is not None else None,
+            "wall_s": wall, "train_s": loop.train_s,
+            "tokens_per_s": loop.tokens / max(loop.train_s, 1e-9), "tokens": loop.tokens,
+            "world_size": env.world_size, "nnodes": env.nnodes, "strategy": strategy,
+            "strategy_reason": why, "precision": tr.precision, "batch_size": tr.batch_size,
+            "grad_accum": accum, "global_batch_size": global_batch,
+            "seq_length": cfg.data.seq_length, "params": n_params, "resumed_from": None,
+            "data_fingerprint": prepared.meta.get("fingerprint"), "memory": memory,
+        }
+        if env.is_master:
+            checkpoint.save_model(run_dir / checkpoint.MODEL_DIR, state, args.to_dict(),
+                                  prepared.tokenizer_path)
+            metrics.write_json_atomic(run_dir / "summary.json", summary)
+            log(env, f"done in {wall:.1f} s: final loss {summary['final_loss']:.4f}; outputs "
+                     f"in {run_dir}")
+        env.barrier()  # nobody leaves before rank 0 has written the model
+        return {"summary": summary, "run_dir": str(run_dir), "is_master": env.is_master}
+    finally:
+        del model, optimizer
+        env.teardown()
+
+
+def batch_plan(batch_size: int, world_size: int, global_batch_size: Optional[int]
+               ) -> tuple[int, int]:
+    """(accumulation micro-steps, global batch). With a global batch the run is the same
+    whatever the world size; without one, the global batch grows with the workers."""
+    per_step = batch_size * world_size
+    if global_batch_size is None:
+        return 1, per_step
+    if global_batch_size % per_step:
+        raise ConfigError(f"trainer.global_batch_size={global_batch_size} is not divisible by "
+                          f"trainer.batch_size x workers = {batch_size} x {world_size} = "
+                          f"{per_step}; pick a multiple of {per_step}")
+    return global_batch_size // per_step, global_batch_size
+
+
+class _Loop:
+    """The training loop of one rank; state lives here so a later snapshot can save it."""
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
+                 train_ds: Any, val_ds: Any, accum: int, global_batch: int,
+                 steps_per_epoch: int, total_steps: int):
+        from .data import GlobalSampler
+        self.cfg, self.env, self.model = cfg, env, model
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.val_ds = val_ds
+        self.accum, self.global_batch = accum, global_batch
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.step = 0
+        self.tokens = 0
+        self.train_s = 0.0
+        self.sampler = GlobalSampler(len(train_ds), env.world_size, env.rank, cfg.trainer.seed,
+                                     shuffle=True, drop_last=True, global_batch=global_batch)
+        self.loader = _loader(train_ds, self.sampler, cfg, env)
+        self.static_tokens = cfg.data.format == "packed"  # no ignored targets: count is known
+
+    def _micro_batches(self) -> Iterator[dict]:
+        epoch = self.step // self.steps_per_epoch
+        while True:
+            self.sampler.set_epoch(epoch)
+            yield from self.loader
+            epoch += 1
+
+    def run(self) -> dict:
+        cfg, env, tr = self.cfg, self.env, self.cfg.trainer
+        mlog = metrics.MetricsLog(cfg.run_dir / "metrics.jsonl" if env.is_master else None)
+        bar = metrics.ProgressBar(env, self.total_steps, self.step, tr.progress_bar)
+        window = metrics.Throughput()
+        loss_sum = count = 0.0  # since the last log line, this rank
+        last: dict = {}
+        batches = self._micro_batches()
+        t0 = time.perf_counter()
+        try:
+            while self.step < self.total_steps:
+                micro = [next(batches) for _ in range(self.accum)]
+                s, n, grad_norm = self._train_step(micro)
+                loss_sum += s
+                count += n
+                self.step += 1
+                window.add(n_tokens := self.global_batch * cfg.data.seq_length)
+                self.tokens += n_tokens
+                evaluate = self.step % tr.eval_every == 0 and self.step < self.total_steps
+                if self.step % tr.log_every == 0 or evaluate or self.step == self.total_steps:
+                    loss = env.weighted_mean(loss_sum, count)
+                    loss_sum = count = 0.0
+                    last = {"step": self.step, "epoch": (self.step - 1) // self.steps_per_epoch,
+                            "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                            "grad_norm": grad_norm, **window.report()}
+                    if evaluate:
+                        last["val_loss"] = self.evaluate()
+                    mlog.write(last)
+                    bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}")
+                bar.update(1)
+        finally:
+            self.train_s += time.perf_counter() - t0
+            bar.close()
+            mlog.close()
+        return last
+
+    def _train_step(self, micro: list[dict]) -> tuple[float, float, float]:
+        """One optimizer step over `accum` micro-batches; returns this rank's (sum of token
+        losses, tokens) and the global gradient norm before clipping."""
+        env, model = self.env, self.model
+        if self.static_tokens:
+            global_tokens = float(self.global_batch * self.cfg.data.seq_length)
+        else:
+            local = sum(int((mb["targets"] != IGNORE_INDEX).sum()) for mb in micro)
+            global_tokens = float(env.all_reduce_sum([local])[0])
+        scale = env.world_size / max(global_tokens, 1.0)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        tokens = 0
+        for i, mb in enumerate(micro):
+            sync = i == len(micro) - 1
+            with (contextlib.nullcontext() if sync else strategies.no_grad_sync(model)):
+                s, n = self._loss(mb)
+                loss = s * scale
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += s.detach().double()
+            tokens += n
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+        clip = self.cfg.optim.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss_sum), float(tokens), float(norm)
+
+    def _loss(self, mb: dict, model: Optional[nn.Module] = None) -> tuple[torch.Tensor, int]:
+        """(sum of token losses, number of counted tokens) for one micro-batch."""
+        dev = self.env.device
+        idx = mb["input_ids"].to(dev, non_blocking=True)  # (B, T)
+        targets = mb["targets"].to(dev, non_blocking=True)  # (B, T)
+        mask = mb.get("attention_mask")
+        mask = mask.to(dev, non_blocking=True) if mask is not None else None
+        with precision.autocast(self.cfg.trainer.precision, dev):
+            logits = (model or self.model)(idx, attention_mask=mask)  # (B, T, V)
+        s = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+        return s, int((targets != IGNORE_INDEX).sum())
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        """Token-weighted validation loss over every sample once, whatever the world size."""
+        from .data import EvalSampler, collate
+        env, tr = self.env, self.cfg.trainer
+        n = len(self.val_ds)
+        if tr.eval_samples is not None:
+            n = min(n, tr.eval_samples)
+        if n == 0:
+            return None
+        mine = list(EvalSampler(n, env.world_size, env.rank))
+        b = tr.batch_size
+        n_batches = math.ceil(math.ceil(n / env.world_size) / b)  # the same on every rank
+        was_training = self.model.training
+        self.model.eval()
+        total = count = 0.0
+        for i in range(n_batches):
+            idx = mine[i * b:(i + 1) * b]
+            if idx:
+                s, c = self._loss(collate([self.val_ds[j] for j in idx]))
+            else:  # out of samples: keep step with the other ranks, count nothing
+                dummy = collate([self.val_ds[0]])
+                dummy["targets"].fill_(IGNORE_INDEX)
+                s, c = self._loss(dummy)
+            total += float(s)
+            count += c
+        self.model.train(was_training)
+        return env.weighted_mean(total, count)
+
+
+def _loader(ds: Any, sampler: Any, cfg: TrainConfig, env: DistEnv) -> DataLoader:
+    from .data import collate
+    workers = cfg.data.num_workers
+    return DataLoader(ds, batch_size=cfg.trainer.batch_size, sampler=sampler, drop_last=True,
+                      collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
+                      pin_memory=env.device.type == "cuda")
+
+
+def _dot_value(v: Any) -> str:
+    """A Python value as OmegaConf's dotlist parser reads it back."""
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_dot_value(x) for x in v) + "]"
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)

@@ -1,0 +1,83 @@
+"""The config tree: YAML + overrides, and every rejection a user can hit before a launch."""
+
+import pytest
+
+from paratrain.config import TrainConfig, redact_secrets
+from paratrain.errors import ConfigError
+
+
+def test_defaults_are_the_default_job():
+    cfg = TrainConfig.from_yaml()
+    assert cfg.model.arch == "llama"
+    assert cfg.data.source == "stdlib"
+    assert cfg.trainer.devices == "auto"
+    assert str(cfg.run_dir) == "runs/stdlib-llama"
+
+
+def test_yaml_then_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("trainer:\n  max_steps: 50\n  batch_size: 4\nmodel:\n  preset: tiny\n")
+    cfg = TrainConfig.from_yaml(p, ["trainer.max_steps=7", "optim.lr=0.01",
+                                    "trainer.devices=[0,1]"])
+    assert cfg.trainer.max_steps == 7  # the override wins over the file
+    assert cfg.trainer.batch_size == 4  # the file wins over the default
+    assert cfg.optim.lr == 0.01
+    assert list(cfg.trainer.devices) == [0, 1]
+
+
+def test_round_trip_through_dict():
+    cfg = TrainConfig.from_yaml(None, ["run.name=x", "data.format=padded"])
+    again = TrainConfig.from_dict(cfg.to_dict())
+    assert again == cfg
+
+
+@pytest.mark.parametrize("override, words", [
+    (["trainer.max_stepz=3"], ["unknown config key", "trainer.max_stepz"]),
+    (["nosuchsection.x=1"], ["unknown config key", "nosuchsection"]),
+    (["trainer.max_steps=abc"], ["trainer.max_steps", "wrong type"]),
+    (["trainer.strategy=foo"], ["trainer.strategy='foo'", "ddp"]),
+    (["trainer.precision=fp8"], ["trainer.precision"]),
+    (["model.preset=tiny", "model.hidden_size=64", "model.num_heads=5"],
+     ["model.num_heads", "model.hidden_size"]),
+    (["model.preset=tiny", "model.num_heads=4", "model.num_kv_heads=3"],
+     ["model.num_kv_heads", "model.num_heads"]),
+    (["trainer.batch_size=0"], ["trainer.batch_size=0", "positive"]),
+    (["distributed.node_rank=2", "distributed.nnodes=2", "distributed.master_port=29500"],
+     ["distributed.node_rank=2"]),
+    (["data.val_fraction=1.5"], ["data.val_fraction"]),
+    (["run.name=a/b"], ["run.name"]),
+    (["trainer.max_steps"], ["key=value"]),
+])
+def test_bad_values_are_one_clear_line(override, words):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_yaml(None, override)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_missing_or_broken_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        TrainConfig.from_yaml(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        TrainConfig.from_yaml(bad)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("trainer:\n  learning_rate: 1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.learning_rate'"):
+        TrainConfig.from_yaml(unknown)
+
+
+def test_secrets_never_dumped():
+    d = {"checkpoint": {"dir": "s3://AKIAXXX:verysecret@bucket/x",
+                        "storage_options": {"secret_access_key": "hunter2", "region": "eu"}},
+         "x": {"api_token": "abc"}}
+    out = redact_secrets(d)
+    text = repr(out)
+    assert "hunter2" not in text and "verysecret" not in text and "abc" not in text
+    assert out["checkpoint"]["storage_options"]["region"] == "eu"
+    assert out["checkpoint"]["dir"].endswith("bucket/x")
+    cfg = TrainConfig.from_yaml(None, ["checkpoint.dir=s3://user:pw@bucket/ck"])
+    assert "pw@" not in cfg.to_yaml() and "bucket/ck" in cfg.to_yaml()
