@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .dist import DistEnv
+from .metrics import _umask
 from .errors import ParatrainError
 from .strategies import unwrap
 
@@ -49,6 +50,7 @@ def save_model(out_dir: Path, state_dict: dict[str, torch.Tensor], model_args: d
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; a model is for sharing
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "paratrain"})
         (tmp / MODEL_CONFIG).write_text(json.dumps(model_args, indent=2) + "\n")
         if tokenizer_path is not None:

@@ -8,6 +8,7 @@ that looks at the wrapped model.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Callable, ContextManager, Dict, Iterable
 
 import torch
@@ -62,8 +63,11 @@ def apply_single(model: nn.Module, env: DistEnv) -> nn.Module:
 def apply_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
     # Our only buffers are constants (RoPE tables): broadcasting them every step is pure cost,
     # and a broadcast inside forward would deadlock evaluation on uneven shards.
+    no_buffer_sync = ({"forward_sync_buffers": False}
+                      if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                      else {"broadcast_buffers": False})  # torch < 2.12
     return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-               broadcast_buffers=False, gradient_as_bucket_view=True)
+               gradient_as_bucket_view=True, **no_buffer_sync)
 
 
 STRATEGIES: Dict[str, Callable[[nn.Module, DistEnv], nn.Module]] = {

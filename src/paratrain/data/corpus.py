@@ -1,0 +1,215 @@
+"""Corpus: which files hold the training text, and how to read documents out of them.
+
+`resolve_corpus` turns the one string in `data.source` into a frozen list of files, so that
+everything downstream (the cache fingerprint, the train/val split) depends on that list only.
+Every mistake a user can make in `data.source` becomes one DataError line saying what to do.
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import gzip
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from ..errors import DataError
+
+# Suffixes we read as plain text when `data.source` is a directory (a glob takes what it matches).
+TEXT_SUFFIXES = frozenset({
+    ".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".py", ".pyi", ".pyx", ".c", ".h",
+    ".cc", ".cpp", ".cxx", ".hpp", ".hh", ".cu", ".cuh", ".java", ".js", ".mjs", ".ts", ".tsx",
+    ".jsx", ".go", ".rs", ".rb", ".php", ".pl", ".lua", ".sh", ".bash", ".zsh", ".sql", ".r",
+    ".swift", ".kt", ".scala", ".hs", ".ml", ".json", ".yaml", ".yml", ".toml", ".ini", ".cfg",
+    ".xml", ".html", ".htm", ".css", ".csv", ".tsv", ".log", ".org", ".asciidoc", ".adoc",
+})
+_KIND_SUFFIXES = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_SOURCE_HELP = "give a text file, a directory, a glob, a .jsonl/.parquet file, or 'stdlib'"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    source: str  # what the user wrote in data.source
+    files: tuple[str, ...]  # sorted absolute paths
+    kind: str  # "text" | "jsonl" | "parquet"
+    text_field: str = "text"
+    max_bytes: Optional[int] = None
+
+    def documents(self) -> Iterator[str]:
+        """Non-empty documents in file order, cut off after max_bytes (UTF-8) of text.
+
+        The cut is exact and depends only on the sorted file list, so two processes that read
+        the same corpus see the same documents (the train/val split relies on it)."""
+        budget = self.max_bytes
+        for doc in self._raw_documents():
+            if not doc:
+                continue
+            if budget is not None:
+                raw = doc.encode("utf-8")
+                if len(raw) >= budget:
+                    # errors="ignore" drops a character split by the cut instead of mangling it.
+                    tail = raw[:budget].decode("utf-8", errors="ignore")
+                    if tail:
+                        yield tail
+                    return
+                budget -= len(raw)
+            yield doc
+
+    def fingerprint(self) -> str:
+        """Changes when any file changes (size or mtime) or the reading options do.
+
+        Cheap: one stat per file, no reading, so every rank can compute it at start-up."""
+        h = hashlib.sha256()
+        h.update(json.dumps([self.kind, self.text_field, self.max_bytes]).encode())
+        for path in self.files:
+            st = os.stat(path)
+            h.update(f"\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        return h.hexdigest()
+
+    @property
+    def num_files(self) -> int:
+        return len(self.files)
+
+    # ---- readers ---------------------------------------------------------------------------
+    def _raw_documents(self) -> Iterator[str]:
+        reader = {"text": _read_text, "jsonl": self._read_jsonl, "parquet": self._read_parquet}
+        for path in self.files:
+            yield from reader[self.kind](path)
+
+    def _read_jsonl(self, path: str) -> Iterator[str]:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"data.source={self.source!r}: {path}:{lineno} is not valid "
+                                    f"JSON ({e.msg}); fix or remove that line") from None
+                yield self._field(record, f"{path}:{lineno}")
+
+    def _field(self, record: object, where: str) -> str:
+        if not isinstance(record, dict) or self.text_field not in record:
+            raise DataError(f"data.source={self.source!r}: record at {where} has no field "
+                            f"{self.text_field!r}; set data.text_field to the field that holds "
+                            "the text")
+        value = record[self.text_field]
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise DataError(f"data.source={self.source!r}: field {self.text_field!r} at {where} "
+                            f"is a {type(value).__name__}, not a string; set data.text_field "
+                            "to a text field")
+        return value
+
+    def _read_parquet(self, path: str) -> Iterator[str]:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"data.source={self.source!r} is parquet, which needs pyarrow; "
+                            "pip install 'paratrain[parquet]'") from None
+        pf = pq.ParquetFile(path)
+        if self.text_field not in pf.schema_arrow.names:
+            raise DataError(f"data.source={self.source!r}: {path} has no column "
+                            f"{self.text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                            "set data.text_field to the column that holds the text")
+        for batch in pf.iter_batches(batch_size=1024, columns=[self.text_field]):
+            for value in batch.column(0).to_pylist():
+                if value is not None and not isinstance(value, str):
+                    raise DataError(f"data.source={self.source!r}: column {self.text_field!r} "
+                                    f"of {path} is not text; set data.text_field to a string "
+                                    "column")
+                yield value or ""
+
+
+def _read_text(path: str) -> Iterator[str]:
+    # errors="replace": one latin-1 file in a directory of code must not stop a run.
+    with open(path, "r", encoding="utf-8", errors="replace", newline="") as f:
+        yield f.read()
+
+
+# ---- resolution ----------------------------------------------------------------------------
+def resolve_corpus(source: str, text_field: str = "text",
+                   max_bytes: Optional[int] = None) -> Corpus:
+    """`data.source` -> Corpus. Raises DataError (one line, naming data.source) on any problem."""
+    if source == "stdlib":
+        files = _stdlib_files()
+        return Corpus(source, files, "text", text_field, max_bytes)
+    expanded = os.path.expanduser(source)
+    if _glob.has_magic(expanded):
+        matched = [p for p in _glob.glob(expanded, recursive=True) if os.path.isfile(p)]
+        if not matched:
+            raise DataError(f"data.source={source!r} is a glob that matches no files; check the "
+                            "pattern (use ** for subdirectories) or " + _SOURCE_HELP)
+        files = _sorted_abs(matched)
+        return Corpus(source, files, _kind_of(source, files), text_field, max_bytes)
+    path = Path(expanded)
+    if path.is_file():
+        files = _sorted_abs([str(path)])
+        return Corpus(source, files, _suffix_kind(str(path)) or "text", text_field, max_bytes)
+    if path.is_dir():
+        files, kind = _dir_files(source, path)
+        return Corpus(source, files, kind, text_field, max_bytes)
+    raise DataError(f"data.source={source!r} does not exist; {_SOURCE_HELP}")
+
+
+def _stdlib_files() -> tuple[str, ...]:
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        found += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+    if not found:
+        raise DataError(f"data.source='stdlib' found no .py files under {root}; this Python has "
+                        "no standard library source, so " + _SOURCE_HELP)
+    return _sorted_abs(found)
+
+
+def _dir_files(source: str, root: Path) -> tuple[tuple[str, ...], str]:
+    """Text files if there are any; else a directory of .jsonl or of .parquet files."""
+    text, data = [], []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+        for name in filenames:
+            if name.startswith("."):
+                continue
+            full = os.path.join(dirpath, name)
+            if _suffix_kind(name):
+                data.append(full)
+            elif os.path.splitext(name)[1].lower() in TEXT_SUFFIXES:
+                text.append(full)
+    if text:
+        return _sorted_abs(text), "text"
+    if data:
+        files = _sorted_abs(data)
+        return files, _kind_of(source, files)
+    raise DataError(f"data.source={source!r} is a directory with no text files (looked for "
+                    f"{', '.join(sorted(TEXT_SUFFIXES)[:8])}, ... and .jsonl/.parquet); "
+                    + _SOURCE_HELP)
+
+
+def _suffix_kind(path: str) -> Optional[str]:
+    lower = path.lower()
+    for suffix, kind in _KIND_SUFFIXES.items():
+        if lower.endswith(suffix):
+            return kind
+    return None
+
+
+def _kind_of(source: str, files: tuple[str, ...]) -> str:
+    """All-jsonl -> jsonl, all-parquet -> parquet, none of either -> text; a mix is an error."""
+    kinds = {_suffix_kind(f) or "text" for f in files}
+    if len(kinds) > 1:
+        raise DataError(f"data.source={source!r} mixes {' and '.join(sorted(kinds))} files; "
+                        "point it at one kind (for example a glob like data/*.jsonl)")
+    return kinds.pop()
+
+
+def _sorted_abs(paths: list[str]) -> tuple[str, ...]:
+    return tuple(sorted({os.path.abspath(p) for p in paths}))

@@ -1,0 +1,130 @@
+"""Map-style datasets over a PreparedData cache: packed windows or one padded document per row.
+
+The token memmap is opened lazily on first access in each process and dropped when pickled, so
+a DataLoader worker receives a few paths, not the corpus, and opens its own read-only view.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..config import DataConfig
+from .cache import PreparedData
+
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+
+
+class _TokenFile(Dataset):
+    """Shared plumbing: one split's flat token file (and its document offsets), lazily opened."""
+
+    def __init__(self, prepared: PreparedData, split: str, seq_length: int):
+        if seq_length <= 0:
+            raise ValueError(f"seq_length must be positive, got {seq_length}")
+        self.tokens_path = prepared.tokens_path(split)
+        self.offsets_path = prepared.offsets_path(split)
+        self.num_tokens = prepared.num_tokens(split)
+        self.num_docs = prepared.num_docs(split)
+        self.dtype = prepared.dtype
+        self.split = split
+        self.seq_length = seq_length
+        self._tokens: Optional[np.ndarray] = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            if self.num_tokens == 0:  # np.memmap refuses empty files
+                self._tokens = np.zeros(0, dtype=self.dtype)
+            else:
+                self._tokens = np.memmap(self.tokens_path, dtype=self.dtype, mode="r",
+                                         shape=(self.num_tokens,))
+        return self._tokens
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_tokens"] = None  # reopened in the receiving process
+        return state
+
+    def _check_index(self, i: int) -> int:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {i} out of range for {type(self).__name__} of length {n}")
+        return i
+
+
+class PackedDataset(_TokenFile):
+    """Non-overlapping windows of seq_length+1 tokens over the concatenated documents.
+
+    Documents are separated by [EOT] in the stream, so the model learns where one ends; no
+    attention mask, the model uses plain causal attention (attention crosses documents)."""
+
+    def __len__(self) -> int:
+        return max(0, (self.num_tokens - 1) // self.seq_length)
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        i = self._check_index(i)
+        L = self.seq_length
+        window = torch.from_numpy(self.tokens[i * L: i * L + L + 1].astype(np.int64))  # (L+1,)
+        return {"input_ids": window[:-1], "targets": window[1:]}  # (L,), (L,)
+
+
+class PaddedDataset(_TokenFile):
+    """One document per row: [BOT] doc [EOT], cut to seq_length+1 tokens, right-padded.
+
+    Pad positions are ignored by the loss (target -100) and masked out of attention, so each
+    row is an independent sample: what fine-tuning-style or short-document data wants."""
+
+    def __init__(self, prepared: PreparedData, split: str, seq_length: int,
+                 bot_id: int, eot_id: int, pad_id: int):
+        super().__init__(prepared, split, seq_length)
+        self.bot_id, self.eot_id, self.pad_id = bot_id, eot_id, pad_id
+        self._offsets: Optional[np.ndarray] = None
+
+    @property
+    def offsets(self) -> np.ndarray:
+        if self._offsets is None:
+            self._offsets = np.load(self.offsets_path)  # (num_docs+1,) int64, small
+        return self._offsets
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_offsets"] = None
+        return state
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        i = self._check_index(i)
+        L = self.seq_length
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        doc = self.tokens[start:min(end, start + L)]  # ends with the stored [EOT] if it fits
+        n = len(doc) + 1  # real tokens in the row, [BOT] included; <= L+1
+        row = torch.full((L + 1,), self.pad_id, dtype=torch.long)  # (L+1,)
+        row[0] = self.bot_id
+        row[1:n] = torch.from_numpy(doc.astype(np.int64))
+        input_ids = row[:-1]  # (L,)
+        targets = row[1:].clone()  # (L,)
+        targets[n - 1:] = IGNORE_INDEX  # target j is row[j+1], real only while j+1 < n
+        attention_mask = (torch.arange(L) < n).long()  # (L,) 1 on real input tokens
+        return {"input_ids": input_ids, "targets": targets, "attention_mask": attention_mask}
+
+
+def build_dataset(prepared: PreparedData, split: str, cfg: DataConfig) -> Dataset:
+    if cfg.format == "packed":
+        return PackedDataset(prepared, split, cfg.seq_length)
+    if cfg.format == "padded":
+        m = prepared.meta
+        return PaddedDataset(prepared, split, cfg.seq_length, bot_id=m["bot_id"],
+                             eot_id=m["eot_id"], pad_id=m["pad_id"])
+    raise ValueError(f"data.format={cfg.format!r} is not one of: packed, padded")
+
+
+def collate(batch: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """list of {key: (L,)} -> {key: (B, L)}."""
+    return {key: torch.stack([sample[key] for sample in batch]) for key in batch[0]}

@@ -1,0 +1,112 @@
+"""Samplers: one global order per epoch, dealt to ranks so that the world size does not matter.
+
+Rank r of W takes positions r, r+W, r+2W, ... of the epoch's global order. Then the b samples
+each rank reads at local step k are, together, exactly global positions [k*b*W, (k+1)*b*W): the
+same global batch a single process with batch b*W reads at step k. That is what lets a run move
+between 1 and W devices (and resume after doing so) without changing what it trains on.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+from torch.utils.data import Sampler
+
+
+class GlobalSampler(Sampler[int]):
+    """Like DistributedSampler, plus a resumable position inside the epoch.
+
+    `position` counts samples this rank has already consumed in the current epoch; iteration
+    starts after them. The sampler cannot see what the training loop consumed (a DataLoader
+    prefetches), so the loop tells it: set_position(steps_done * per_rank_samples_per_step)
+    before state_dict(), or on resume load_state_dict() of what was saved.
+    """
+
+    def __init__(self, num_samples: int, world_size: int = 1, rank: int = 0, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = True,
+                 global_batch: Optional[int] = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+        unit = global_batch or world_size
+        if unit % world_size:
+            raise ValueError(f"global_batch={global_batch} must be a multiple of "
+                             f"world_size={world_size}")
+        self.num_samples = num_samples
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.unit = unit  # the epoch length is a multiple of this
+        self.epoch = 0
+        self.position = 0
+
+    def epoch_order(self, epoch: Optional[int] = None) -> torch.Tensor:
+        """The global order of one epoch, (epoch_length,) int64, identical on every rank."""
+        epoch = self.epoch if epoch is None else epoch
+        n = self.num_samples
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order = torch.randperm(n, generator=g)  # (n,)
+        else:
+            order = torch.arange(n)
+        if self.drop_last:
+            return order[: n // self.unit * self.unit]
+        # Pad by wrapping around (as DistributedSampler does) so every rank gets as many.
+        padded = -(-n // self.world_size) * self.world_size
+        if padded > n and n > 0:
+            order = torch.cat([order, order.repeat(-(-padded // n))[: padded - n]])
+        return order
+
+    @property
+    def samples_per_rank(self) -> int:
+        """This rank's full share of one epoch (position ignored)."""
+        return len(self.epoch_order()) // self.world_size
+
+    def __iter__(self) -> Iterator[int]:
+        mine = self.epoch_order()[self.rank::self.world_size]  # (samples_per_rank,)
+        return iter(mine[self.position:].tolist())
+
+    def __len__(self) -> int:
+        return max(0, self.samples_per_rank - self.position)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start of an epoch. A new epoch starts at position 0; setting the epoch already set
+        (say, after load_state_dict on resume) keeps the position."""
+        if epoch != self.epoch:
+            self.position = 0
+        self.epoch = epoch
+
+    def set_position(self, samples_consumed: int) -> None:
+        """Samples this rank already consumed in the current epoch; iteration skips them."""
+        if samples_consumed < 0:
+            raise ValueError(f"position must be >= 0, got {samples_consumed}")
+        self.position = samples_consumed
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed = int(state.get("seed", self.seed))
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+
+
+class EvalSampler(Sampler[int]):
+    """Every sample exactly once over all ranks: no shuffle, no padding, no dropping.
+
+    Ranks may differ by one sample; evaluation must sum (loss, count) over ranks rather than
+    assume equal shares, and must not put a collective inside the per-batch loop."""
+
+    def __init__(self, num_samples: int, world_size: int = 1, rank: int = 0):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+        self.num_samples, self.world_size, self.rank = num_samples, world_size, rank
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.num_samples, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.num_samples, self.world_size))

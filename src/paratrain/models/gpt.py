@@ -1,0 +1,112 @@
+"""A GPT-2 style decoder, in the spirit of karpathy/minGPT: learned positions, LayerNorm with
+biases, GELU MLP, head tied to the token embedding.
+
+Same interface as Llama: blocks in `self.layers`, each with `forward(x, mask)`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .llama import padding_to_attn_mask
+from .presets import ModelArgs
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention; q, k and v come out of one fused projection."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.head_dim = args.num_heads, args.head_dim
+        self.c_attn = nn.Linear(args.hidden_size, 3 * args.hidden_size)
+        self.c_proj = nn.Linear(args.hidden_size, args.hidden_size)
+        self.dropout = args.dropout
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        B, T, C = x.shape  # (B, T, C)
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                           is_causal=mask is None)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.c_fc = nn.Linear(args.hidden_size, args.intermediate_size)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.c_proj = nn.Linear(args.intermediate_size, args.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))  # (B, T, 4C) -> (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.attn = CausalSelfAttention(args)
+        self.ln_2 = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.mlp = MLP(args)
+        self.resid_dropout = nn.Dropout(args.dropout)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # x: (B, T, C); mask: None (plain causal) or bool (B, 1, T, T), True = may attend
+        x = x + self.resid_dropout(self.attn(self.ln_1(x), mask))
+        x = x + self.resid_dropout(self.mlp(self.ln_2(x)))
+        return x
+
+
+class GPT(nn.Module):
+    block_class = Block
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.wte = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.wpe = nn.Embedding(args.max_seq_length, args.hidden_size)
+        self.dropout = nn.Dropout(args.dropout)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
+        self.ln_f = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02), zero biases, unit LayerNorm gains; the residual projections
+        (c_proj) get 1/sqrt(2 * num_layers) of the std so depth does not inflate the stream."""
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() < 2:
+                nn.init.ones_(p)  # LayerNorm gains
+            elif name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.args.num_layers))
+            else:
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def forward(self, idx: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, T = idx.shape
+        if T > self.args.max_seq_length:
+            raise ValueError(f"sequence of length {T} exceeds model.max_seq_length="
+                             f"{self.args.max_seq_length}")
+        mask = None if attention_mask is None else padding_to_attn_mask(attention_mask)
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.dropout(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.layers:
+            x = block(x, mask)  # (B, T, C)
+        return self.lm_head(self.ln_f(x))  # (B, T, V)

@@ -1,0 +1,52 @@
+"""Worker functions for tests that start ranks themselves (torch.multiprocessing.spawn pickles
+them by module name, so they live in a module, not in a test function)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from paratrain.dist import DistEnv
+from paratrain.models import build_model
+from paratrain.models.presets import PRESETS, ModelArgs
+from paratrain.strategies import no_grad_sync, parallelize
+
+
+def ddp_replicas(rank: int, world: int, port: int, result_path: str) -> None:
+    """Train a few DDP steps with different data on each rank; save every rank's parameters."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                  device=torch.device("cpu"), backend="gloo", timeout_s=60)
+    torch.set_num_threads(1)
+    env.init()
+    try:
+        args = ModelArgs(**{**_tiny(), "vocab_size": 97, "max_seq_length": 16})
+        torch.manual_seed(0)
+        model = parallelize(build_model(args), "ddp", env)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(100 + rank)  # each rank sees different tokens
+        for step in range(4):
+            for micro in range(2):  # accumulate: the first micro-step must not sync
+                ctx = no_grad_sync(model) if micro == 0 else torch.enable_grad()
+                with ctx:
+                    idx = torch.randint(0, 97, (3, 16), generator=g)
+                    logits = model(idx)
+                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                             idx.roll(-1, 1).flatten())
+                    loss.backward()
+            opt.step()
+            opt.zero_grad()
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        torch.save(flat, f"{result_path}.{rank}")
+        del model, opt
+    finally:
+        env.teardown()
+
+
+def _tiny() -> dict:
+    from paratrain.config import ModelConfig
+    from paratrain.models.presets import resolve_model_config
+    return resolve_model_config(ModelConfig(preset="tiny"), vocab_size=97,
+                                seq_length=16).to_dict()
