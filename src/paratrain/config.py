@@ -70,7 +70,7 @@ class TrainerConfig:
     precision: str = "fp32"
     batch_size: int = 8  # per device, per micro-step
     global_batch_size: Optional[int] = None  # derive gradient accumulation from this
-    max_steps: Optional[int] = 300
+    max_steps: Optional[int] = 200
     epochs: int = 1  # used when max_steps is null
     seed: int = 1337
     log_every: int = 10
@@ -85,12 +85,12 @@ class TrainerConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = 2e-3
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.1
     eps: float = 1e-8
-    warmup_steps: int = 30
-    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    min_lr: float = 2e-4
     grad_clip: float = 1.0  # 0 disables clipping
 
 
@@ -265,8 +265,9 @@ def validate(cfg: TrainConfig) -> None:
                          seq_length=cfg.data.seq_length)
 
 
-_SECRET = re.compile(r"(secret|password|passwd|token|credential|access_key|api_key|"
-                     r"private_key|session_key)", re.IGNORECASE)
+# Whole words of a key name: `api_token`, `secret_access_key`, `password` (not `tokenizer`).
+_SECRET = re.compile(r"(^|_)(secret|password|passwd|token|credentials?|access_key|api_key|"
+                     r"private_key|session_key|key_id)($|_)", re.IGNORECASE)
 _URL_CREDS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
 
 

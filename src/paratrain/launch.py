@@ -221,6 +221,11 @@ def failure_to_error(e: Any) -> errors.ParatrainError:
         except (OSError, ValueError):
             pass
     first = text.strip().splitlines()[0] if text.strip() else ""
+    if first.startswith("To enable traceback"):  # died before our entrypoint ran: no error file
+        return TrainingError(
+            f"worker rank {rank} failed with exit code {failure.exitcode} before training "
+            "started; its error is printed above (a script that calls Trainer.fit() must do so "
+            "under `if __name__ == '__main__':`, since workers re-import it)")
     m = re.match(r"(?:[\w.]+\.)?(\w+Error): (.*)", first)
     if m and isinstance(getattr(errors, m.group(1), None), type) \
             and issubclass(getattr(errors, m.group(1)), errors.ParatrainError):

@@ -140,8 +140,10 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
 
 
-def memory_entry(env: DistEnv, model: nn.Module,
-                 optimizer: Optional[torch.optim.Optimizer]) -> dict:
+def memory_entry(env: DistEnv, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 grads_bytes: Optional[int] = None) -> dict:
+    """This rank's state bytes. Gradients are freed between steps, so the loop passes what it
+    measured while they were alive."""
     params = list(model.parameters())
     opt_tensors = []
     if optimizer is not None:
@@ -149,7 +151,8 @@ def memory_entry(env: DistEnv, model: nn.Module,
             opt_tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     entry = {"rank": env.rank, "device": str(env.device),
              "params_bytes": local_bytes(params),
-             "grads_bytes": local_bytes(p.grad for p in params),
+             "grads_bytes": local_bytes(p.grad for p in params) if grads_bytes is None
+             else grads_bytes,
              "optimizer_bytes": local_bytes(opt_tensors),
              "peak_bytes": peak_memory_bytes(env.device)}
     if env.device.type == "cuda":
@@ -157,10 +160,10 @@ def memory_entry(env: DistEnv, model: nn.Module,
     return entry
 
 
-def gather_memory(env: DistEnv, model: nn.Module,
-                  optimizer: Optional[torch.optim.Optimizer]) -> list[dict]:
+def gather_memory(env: DistEnv, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                  grads_bytes: Optional[int] = None) -> list[dict]:
     """Every rank's memory entry, gathered to all ranks (rank 0 prints and saves them)."""
-    return env.gather_objects(memory_entry(env, model, optimizer))
+    return env.gather_objects(memory_entry(env, model, optimizer, grads_bytes))
 
 
 def format_memory_table(rows: list[dict]) -> str:

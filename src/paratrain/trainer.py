@@ -72,13 +72,19 @@ class Trainer:
                                          cfg.distributed.timeout_s)
             return _result(train(cfg, env))
         devices = launch.parse_devices(cfg.trainer.devices)
-        check_run_dir(cfg)
-        from .data import prepare_data
-        prepare_data(cfg.data, cfg.cache_dir, log=lambda m: log(DistEnv(), m))  # once, here
         d = cfg.distributed
+        # Everything a user can get wrong is checked here, before a single worker starts.
+        world = len(devices) * d.nnodes
+        batch_plan(cfg.trainer.batch_size, world, cfg.trainer.global_batch_size)
+        strategies.resolve_strategy(cfg.trainer.strategy,
+                                    DistEnv(world_size=world, device=devices[0]))
+        precision.check_precision(cfg.trainer.precision, devices[0])
+        check_run_dir(cfg)
         if len(devices) == 1 and d.nnodes == 1:
-            env = DistEnv.single(devices[0])
-            return _result(train(cfg, env))
+            return _result(train(cfg, DistEnv.single(devices[0])))
+        from .data import prepare_data
+        prepared = prepare_data(cfg.data, cfg.cache_dir, log=lambda m: log(DistEnv(), m))
+        data_plan(cfg, prepared, world)
         results = launch.launch_workers(
             worker_entry, (cfg.to_dict(), [str(x) for x in devices]), nproc=len(devices),
             master_addr=d.master_addr, master_port=d.master_port, nnodes=d.nnodes,
@@ -126,7 +132,7 @@ def _result(out: dict) -> RunResult:
 # ---- one rank ----------------------------------------------------------------------------------
 def train(cfg: TrainConfig, env: DistEnv) -> dict:
     """The whole run on one rank: set up, loop, evaluate, save, tear down."""
-    from .data import build_dataset, prepare_data, wait_for_data
+    from .data import prepare_data, wait_for_data
     from .models import build_model, count_params, resolve_model_config
 
     t_start = time.perf_counter()
@@ -144,18 +150,9 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict:
         else:
             prepared = wait_for_data(cfg.data, cfg.cache_dir, timeout_s=3600.0)
         tokenizer = prepared.tokenizer()
-        train_ds = build_dataset(prepared, "train", cfg.data)
-        val_ds = build_dataset(prepared, "val", cfg.data)
-
         tr = cfg.trainer
-        accum, global_batch = batch_plan(tr.batch_size, env.world_size, tr.global_batch_size)
-        steps_per_epoch = len(train_ds) // global_batch
-        if steps_per_epoch < 1:
-            raise DataError(f"data.source={cfg.data.source!r} gives {len(train_ds)} training "
-                            f"sequences of data.seq_length={cfg.data.seq_length}, fewer than one "
-                            f"global batch of {global_batch} (trainer.batch_size={tr.batch_size} "
-                            f"x {env.world_size} workers x {accum} accumulation); use more text, "
-                            "a shorter data.seq_length or a smaller batch")
+        train_ds, val_ds, accum, global_batch, steps_per_epoch = data_plan(cfg, prepared,
+                                                                           env.world_size)
         total_steps = tr.max_steps or tr.epochs * steps_per_epoch
 
         strategy, why = strategies.resolve_strategy(tr.strategy, env)
@@ -194,7 +191,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict:
         val_loss = loop.evaluate()
         if val_loss is not None:
             log(env, f"validation loss {val_loss:.4f} (perplexity {math.exp(val_loss):.2f})")
-        memory = metrics.gather_memory(env, model, optimizer)
+        memory = metrics.gather_memory(env, model, optimizer, loop.grads_bytes)
         if tr.verbose:
             log(env, "memory at end:\n" + metrics.format_memory_table(memory))
 
@@ -223,6 +220,24 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict:
     finally:
         del model, optimizer
         env.teardown()
+
+
+def data_plan(cfg: TrainConfig, prepared: Any, world_size: int) -> tuple:
+    """(train set, validation set, accumulation, global batch, steps per epoch), or a DataError
+    when the corpus cannot fill one global batch."""
+    from .data import build_dataset
+    train_ds = build_dataset(prepared, "train", cfg.data)
+    val_ds = build_dataset(prepared, "val", cfg.data)
+    tr = cfg.trainer
+    accum, global_batch = batch_plan(tr.batch_size, world_size, tr.global_batch_size)
+    steps_per_epoch = len(train_ds) // global_batch
+    if steps_per_epoch < 1:
+        raise DataError(f"data.source={cfg.data.source!r} gives {len(train_ds)} training "
+                        f"sequences of data.seq_length={cfg.data.seq_length}, fewer than one "
+                        f"global batch of {global_batch} (trainer.batch_size={tr.batch_size} x "
+                        f"{world_size} workers x {accum} accumulation); use more text, a shorter "
+                        "data.seq_length or a smaller batch")
+    return train_ds, val_ds, accum, global_batch, steps_per_epoch
 
 
 def batch_plan(batch_size: int, world_size: int, global_batch_size: Optional[int]
@@ -255,6 +270,7 @@ class _Loop:
         self.step = 0
         self.tokens = 0
         self.train_s = 0.0
+        self.grads_bytes: Optional[int] = None  # measured once, while gradients exist
         self.sampler = GlobalSampler(len(train_ds), env.world_size, env.rank, cfg.trainer.seed,
                                      shuffle=True, drop_last=True, global_batch=global_batch)
         self.loader = _loader(train_ds, self.sampler, cfg, env)
@@ -335,6 +351,8 @@ class _Loop:
         else:
             self.optimizer.step()
         self.scheduler.step()
+        if self.grads_bytes is None:
+            self.grads_bytes = strategies.local_bytes(p.grad for p in model.parameters())
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss_sum), float(tokens), float(norm)
 

@@ -79,5 +79,9 @@ def test_secrets_never_dumped():
     assert "hunter2" not in text and "verysecret" not in text and "abc" not in text
     assert out["checkpoint"]["storage_options"]["region"] == "eu"
     assert out["checkpoint"]["dir"].endswith("bucket/x")
+    assert redact_secrets({"tokenizer": "bpe", "keep_last": 2}) == {"tokenizer": "bpe",
+                                                                      "keep_last": 2}
     cfg = TrainConfig.from_yaml(None, ["checkpoint.dir=s3://user:pw@bucket/ck"])
+    assert TrainConfig.from_yaml(None, []).to_yaml() == TrainConfig.from_yaml(None, []).to_yaml(
+        redact=False)  # nothing in the defaults looks like a secret
     assert "pw@" not in cfg.to_yaml() and "bucket/ck" in cfg.to_yaml()

@@ -1,0 +1,93 @@
+"""Every user error the core promises to catch: one line naming what is wrong, exit code 2, no
+traceback, nothing written or overwritten."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain import cli
+from tests.conftest import run_cli, tiny_overrides
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fail(capsys, argv) -> str:
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.strip().splitlines() if not line.startswith("[paratrain] ")]
+    assert len(errors) == 1, err  # progress lines may come first; the error is one line
+    assert errors[0].startswith("paratrain: error: ")
+    return errors[0]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["trainer.no_such_key=1"], ["unknown config key 'trainer.no_such_key'"]),
+    (["trainer.max_steps=ten"], ["trainer.max_steps", "wrong type"]),
+    (["trainer.devices=cpu:0"], ["trainer.devices='cpu:0'", "cpu:1 or more"]),
+    (["trainer.devices=[7]"], ["GPU 7 does not exist"]),
+    (["trainer.strategy=foo"], ["trainer.strategy='foo'", "ddp"]),
+    (["model.num_heads=5"], ["model.num_heads=5 does not divide model.hidden_size"]),
+    (["model.preset=tiny", "model.num_kv_heads=3"],
+     ["model.num_kv_heads=3 does not divide model.num_heads"]),
+    (["trainer.devices=cpu:2", "trainer.strategy=single"], ["trainer.strategy=single"]),
+    (["trainer.devices=cpu:2", "trainer.strategy=dp"], ["trainer.strategy=dp", "CUDA"]),
+    (["trainer.devices=cpu:2", "trainer.batch_size=4", "trainer.global_batch_size=10"],
+     ["trainer.global_batch_size=10 is not divisible", "4 x 2 = 8"]),
+])
+def test_config_errors(tmp_path, monkeypatch, capsys, corpus_dir, cache_dir, overrides, words):
+    monkeypatch.chdir(tmp_path)
+    line = _fail(capsys, ["train"] + tiny_overrides(corpus_dir, cache_dir) + overrides)
+    for w in words:
+        assert w in line
+    assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+
+
+def test_missing_and_empty_sources(tmp_path, monkeypatch, capsys, cache_dir):
+    monkeypatch.chdir(tmp_path)
+    base = ["train", "model.preset=tiny", f"data.cache_dir={cache_dir}", "trainer.devices=cpu:2"]
+    line = _fail(capsys, base + [f"data.source={tmp_path}/nope"])
+    assert "data.source=" in line and "does not exist" in line
+    (tmp_path / "empty").mkdir()
+    line = _fail(capsys, base + [f"data.source={tmp_path}/empty"])
+    assert "data.source=" in line
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    line = _fail(capsys, base + [f"data.source={tmp_path}/blank"])
+    assert "holds no text" in line
+
+
+def test_corpus_too_small_for_one_batch(tmp_path, monkeypatch, capsys, cache_dir):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "small.txt").write_text("def f(x):\n    return x + 1\n" * 20)
+    line = _fail(capsys, ["train", "model.preset=tiny", f"data.cache_dir={cache_dir}",
+                          f"data.source={tmp_path}/small.txt", "data.vocab_size=300",
+                          "trainer.devices=cpu:2", "data.seq_length=256"])
+    assert "fewer than one global batch" in line and "data.seq_length" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_dir_holding_a_run_is_not_overwritten(tmp_path, monkeypatch, capsys, corpus_dir,
+                                                   cache_dir):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "taken"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text('{"final_loss": 1.0}')
+    line = _fail(capsys, ["train", "run.name=taken"] + tiny_overrides(corpus_dir, cache_dir))
+    assert "already holds a run" in line and "run.overwrite=true" in line
+    assert (run / "summary.json").read_text() == '{"final_loss": 1.0}'
+    assert sorted(p.name for p in run.iterdir()) == ["summary.json"]
+
+
+def test_generate_without_a_model(tmp_path, capsys):
+    line = _fail(capsys, ["generate", str(tmp_path)])
+    assert "holds no trained model" in line
+
+
+def test_exit_code_from_the_real_process(tmp_path):
+    """The same as above, through the console entry point of a separate process."""
+    r = run_cli(["train", "trainer.strategy=foo"], cwd=tmp_path, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "paratrain: error: trainer.strategy='foo' is not one of: auto, single, ddp, fsdp, dp"]
