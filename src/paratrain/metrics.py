@@ -120,6 +120,10 @@ class Throughput:
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.steps = 0
+        self.data_wait = 0.0
+
+    def wait(self, seconds: float) -> None:
+        self.data_wait += seconds
 
     def add(self, tokens: int) -> None:
         self.tokens += tokens
@@ -127,7 +131,8 @@ class Throughput:
 
     def report(self) -> dict:
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        out = {"tokens_per_s": self.tokens / dt, "step_time_s": dt / max(1, self.steps)}
+        out = {"tokens_per_s": self.tokens / dt, "step_time_s": dt / max(1, self.steps),
+               "data_wait_s": self.data_wait / max(1, self.steps)}
         self.reset()
         return out
 

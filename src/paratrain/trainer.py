@@ -203,6 +203,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict:
             "val_perplexity": math.exp(val_loss) if val_loss is not None else None,
             "wall_s": wall, "train_s": loop.train_s,
             "tokens_per_s": loop.tokens / max(loop.train_s, 1e-9), "tokens": loop.tokens,
+            "data_wait_s": loop.data_wait_s,
             "world_size": env.world_size, "nnodes": env.nnodes, "strategy": strategy,
             "strategy_reason": why, "precision": tr.precision, "batch_size": tr.batch_size,
             "grad_accum": accum, "global_batch_size": global_batch,
@@ -271,6 +272,7 @@ class _Loop:
         self.tokens = 0
         self.train_s = 0.0
         self.grads_bytes: Optional[int] = None  # measured once, while gradients exist
+        self.data_wait_s = 0.0  # time the loop waited for batches: should be ~0
         self.sampler = GlobalSampler(len(train_ds), env.world_size, env.rank, cfg.trainer.seed,
                                      shuffle=True, drop_last=True, global_batch=global_batch)
         self.loader = _loader(train_ds, self.sampler, cfg, env)
@@ -294,7 +296,10 @@ class _Loop:
         t0 = time.perf_counter()
         try:
             while self.step < self.total_steps:
+                t_data = time.perf_counter()
                 micro = [next(batches) for _ in range(self.accum)]
+                window.wait(time.perf_counter() - t_data)
+                self.data_wait_s += time.perf_counter() - t_data
                 s, n, grad_norm = self._train_step(micro)
                 loss_sum += s
                 count += n
