@@ -203,7 +203,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict:
             "val_perplexity": math.exp(val_loss) if val_loss is not None else None,
             "wall_s": wall, "train_s": loop.train_s,
             "tokens_per_s": loop.tokens / max(loop.train_s, 1e-9), "tokens": loop.tokens,
-            "data_wait_s": loop.data_wait_s,
+            "data_wait_s": loop.data_wait_s, "step_times_s": loop.step_times,
             "world_size": env.world_size, "nnodes": env.nnodes, "strategy": strategy,
             "strategy_reason": why, "precision": tr.precision, "batch_size": tr.batch_size,
             "grad_accum": accum, "global_batch_size": global_batch,
@@ -273,6 +273,9 @@ class _Loop:
         self.train_s = 0.0
         self.grads_bytes: Optional[int] = None  # measured once, while gradients exist
         self.data_wait_s = 0.0  # time the loop waited for batches: should be ~0
+        # Wall time of every step, end to end (data, step, logging, bar): `paratrain bench`
+        # takes the median after warm-up, which leaves start-up and compilation out.
+        self.step_times: list[float] = []
         self.sampler = GlobalSampler(len(train_ds), env.world_size, env.rank, cfg.trainer.seed,
                                      shuffle=True, drop_last=True, global_batch=global_batch)
         self.loader = _loader(train_ds, self.sampler, cfg, env)
@@ -293,7 +296,7 @@ class _Loop:
         loss_sum = count = 0.0  # since the last log line, this rank
         last: dict = {}
         batches = self._micro_batches()
-        t0 = time.perf_counter()
+        t0 = t_step = time.perf_counter()
         try:
             while self.step < self.total_steps:
                 t_data = time.perf_counter()
@@ -318,6 +321,9 @@ class _Loop:
                     mlog.write(last)
                     bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}")
                 bar.update(1)
+                now = time.perf_counter()
+                self.step_times.append(now - t_step)
+                t_step = now
         finally:
             self.train_s += time.perf_counter() - t0
             bar.close()
