@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -28,14 +28,25 @@ def prepare_model(model: nn.Module, precision: str) -> nn.Module:
     return model
 
 
-def autocast(precision: str, device: torch.device) -> ContextManager:
-    if precision in ("bf16-mixed", "fp16-mixed"):
+def fsdp_param_dtype(precision: str) -> Optional[torch.dtype]:
+    """Under FSDP, mixed precision is FSDP's own policy (parameters all-gathered in half
+    precision), not autocast."""
+    return _DTYPES[precision] if precision in ("bf16-mixed", "fp16-mixed") else None
+
+
+def autocast(precision: str, device: torch.device, fsdp: bool = False) -> ContextManager:
+    if precision in ("bf16-mixed", "fp16-mixed") and not fsdp:
         return torch.autocast(device_type=device.type, dtype=_DTYPES[precision])
     return contextlib.nullcontext()
 
 
-def grad_scaler(precision: str, device: torch.device) -> Optional[torch.amp.GradScaler]:
-    """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none."""
-    if precision == "fp16-mixed":
-        return torch.amp.GradScaler(device.type)
-    return None
+def grad_scaler(precision: str, device: torch.device, fsdp: bool = False) -> Optional[Any]:
+    """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
+    Under FSDP each rank holds a shard of the gradients, so the inf/nan check must be agreed
+    across ranks: the sharded scaler does that."""
+    if precision != "fp16-mixed":
+        return None
+    if fsdp:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Callable, ContextManager, Dict, Iterable
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -19,15 +19,21 @@ from .dist import DistEnv
 from .errors import ConfigError
 
 
-def resolve_strategy(requested: str, env: DistEnv) -> tuple[str, str]:
-    """(strategy, why). One process means `single` whatever was asked for several."""
+def resolve_strategy(requested: str, env: DistEnv, *, cpu_offload: bool = False,
+                     planned: Optional[tuple[str, str]] = None) -> tuple[str, str]:
+    """(strategy, why). One process means `single` whatever was asked for several; `auto` takes
+    the memory plan's pick when there is one (plan.py), else ddp."""
     if requested == "dp":
         if env.device.type != "cuda":
             raise ConfigError("trainer.strategy=dp (nn.DataParallel) needs CUDA GPUs; on CPU use "
                               "trainer.strategy=ddp")
-        raise ConfigError("trainer.strategy=dp is not available in this version; use ddp")
-    if requested == "fsdp":
-        raise ConfigError("trainer.strategy=fsdp is not available in this version; use ddp")
+        if env.world_size > 1 and env.local_world_size > 1:
+            raise ConfigError("trainer.strategy=dp drives every GPU from one process; do not "
+                              "start one process per GPU (no torchrun, one node)")
+        return "dp", "asked for"
+    if cpu_offload and requested not in ("fsdp", "auto"):
+        raise ConfigError(f"trainer.cpu_offload=true needs trainer.strategy=fsdp (parameters are "
+                          f"offloaded shard by shard), not {requested}")
     if env.world_size == 1:
         why = "one process" if requested in ("auto", "single") else \
             f"{requested} asked for, but there is only one process"
@@ -35,7 +41,11 @@ def resolve_strategy(requested: str, env: DistEnv) -> tuple[str, str]:
     if requested == "single":
         raise ConfigError(f"trainer.strategy=single runs one process, but {env.world_size} were "
                           "started; use trainer.strategy=ddp or one device")
-    return "ddp", ("auto: several devices" if requested == "auto" else "asked for")
+    if requested == "auto":
+        if cpu_offload:
+            return "fsdp", "auto: trainer.cpu_offload=true needs fsdp"
+        return planned or ("ddp", "auto: several devices")
+    return requested, "asked for"
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -56,10 +66,6 @@ def apply_compile(model: nn.Module) -> None:
         layers[i] = torch.compile(block)
 
 
-def apply_single(model: nn.Module, env: DistEnv) -> nn.Module:
-    return model
-
-
 def apply_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
     # Our only buffers are constants (RoPE tables): broadcasting them every step is pure cost,
     # and a broadcast inside forward would deadlock evaluation on uneven shards.
@@ -70,20 +76,58 @@ def apply_ddp(model: nn.Module, env: DistEnv) -> nn.Module:
                gradient_as_bucket_view=True, **no_buffer_sync)
 
 
-STRATEGIES: Dict[str, Callable[[nn.Module, DistEnv], nn.Module]] = {
-    "single": apply_single,
-    "ddp": apply_ddp,
-}
+def apply_fsdp(model: nn.Module, env: DistEnv, *, param_dtype: Optional[torch.dtype] = None,
+               cpu_offload: bool = False, reshard_after_forward: bool = True,
+               wrap: Sequence[type] = ()) -> nn.Module:
+    """FSDP2: shard each transformer block (or each module of a `wrap` class), then the root.
+
+    Sharding per block is what bounds memory: only one block's full parameters exist at a time
+    in forward and backward. Gradients are reduced in fp32 even when compute runs in bf16/fp16,
+    so the sum over ranks does not lose precision."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if param_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                   reduce_dtype=torch.float32)
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for module in _wrap_units(model, wrap):
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def apply_dp(model: nn.Module, env: DistEnv) -> nn.Module:
+    """nn.DataParallel over every visible GPU from one process, master copy on the first: kept
+    to reproduce the classic DataParallel-vs-DDP comparison, not for real use."""
+    return nn.DataParallel(model, device_ids=list(range(torch.cuda.device_count())),
+                           output_device=env.device)
 
 
 def parallelize(model: nn.Module, strategy: str, env: DistEnv, *,
-                activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
-    model.to(env.device)
+                activation_checkpointing: bool = False, compile: bool = False,
+                precision: str = "fp32", cpu_offload: bool = False,
+                reshard_after_forward: bool = True, wrap: Sequence[type] = ()) -> nn.Module:
+    """Activation checkpointing -> compile -> the data-parallel wrapper, in that order (the
+    wrapper must see the final modules)."""
+    if not cpu_offload:
+        model.to(env.device)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
-    return STRATEGIES[strategy](model, env)
+    if strategy == "fsdp":
+        from .precision import fsdp_param_dtype
+        return apply_fsdp(model, env, param_dtype=fsdp_param_dtype(precision),
+                          cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
+                          wrap=wrap)
+    if strategy == "ddp":
+        return apply_ddp(model, env)
+    if strategy == "dp":
+        return apply_dp(model, env)
+    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -91,11 +135,32 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, (DDP, nn.DataParallel)) else model
 
 
-def no_grad_sync(model: nn.Module) -> ContextManager:
-    """Accumulate gradients locally (no all-reduce) for the micro-steps before the last."""
+def is_fsdp(model: nn.Module) -> bool:
+    return hasattr(model, "set_requires_gradient_sync")  # FSDP2 modules carry this method
+
+
+@contextlib.contextmanager
+def no_grad_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally (no all-reduce / reduce-scatter) for the micro-steps before
+    the last one of an optimizer step."""
     if isinstance(model, DDP):
-        return model.no_sync()
-    return contextlib.nullcontext()
+        with model.no_sync():
+            yield
+    elif is_fsdp(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def _wrap_units(model: nn.Module, wrap: Sequence[type]) -> list[nn.Module]:
+    if wrap:
+        return [m for m in model.modules() if isinstance(m, tuple(wrap)) and m is not model]
+    layers = getattr(model, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
 
 
 def _layers(model: nn.Module) -> nn.ModuleList:

@@ -77,10 +77,12 @@ class Trainer:
         world = len(devices) * d.nnodes
         batch_plan(cfg.trainer.batch_size, world, cfg.trainer.global_batch_size)
         strategies.resolve_strategy(cfg.trainer.strategy,
-                                    DistEnv(world_size=world, device=devices[0]))
+                                    DistEnv(world_size=world, local_world_size=len(devices),
+                                            device=devices[0]),
+                                    cpu_offload=cfg.trainer.cpu_offload)
         precision.check_precision(cfg.trainer.precision, devices[0])
         check_run_dir(cfg)
-        if len(devices) == 1 and d.nnodes == 1:
+        if (len(devices) == 1 or cfg.trainer.strategy == "dp") and d.nnodes == 1:
             return _result(train(cfg, DistEnv.single(devices[0])))
         from .data import prepare_data
         prepared = prepare_data(cfg.data, cfg.cache_dir, log=lambda m: log(DistEnv(), m))
@@ -151,23 +153,27 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict:
             prepared = wait_for_data(cfg.data, cfg.cache_dir, timeout_s=3600.0)
         tokenizer = prepared.tokenizer()
         tr = cfg.trainer
-        train_ds, val_ds, accum, global_batch, steps_per_epoch = data_plan(cfg, prepared,
-                                                                           env.world_size)
-        total_steps = tr.max_steps or tr.epochs * steps_per_epoch
-
-        strategy, why = strategies.resolve_strategy(tr.strategy, env)
         args = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or
                                     tokenizer.vocab_size, seq_length=cfg.data.seq_length)
+        strategy, why = strategies.resolve_strategy(tr.strategy, env, cpu_offload=tr.cpu_offload)
+        # nn.DataParallel splits one process's batch over its GPUs: batch_size per GPU, still
+        replicas = len(launch.parse_devices(tr.devices)) if strategy == "dp" else 1
+        train_ds, val_ds, accum, global_batch, steps_per_epoch = data_plan(
+            cfg, prepared, env.world_size * replicas)
+        total_steps = tr.max_steps or tr.epochs * steps_per_epoch
+
         torch.manual_seed(tr.seed)  # the same initial weights on every rank
         model = precision.prepare_model(build_model(args), tr.precision)
         n_params = count_params(model)
         model = strategies.parallelize(model, strategy, env,
                                        activation_checkpointing=tr.activation_checkpointing,
-                                       compile=tr.compile)
+                                       compile=tr.compile, precision=tr.precision,
+                                       cpu_offload=tr.cpu_offload,
+                                       reshard_after_forward=tr.reshard_after_forward)
         torch.manual_seed(tr.seed + 1 + env.rank)  # dropout differs between ranks
         optimizer = optim.build_optimizer(model, cfg.optim, env.device)
         scheduler = optim.build_scheduler(optimizer, cfg.optim, total_steps)
-        scaler = precision.grad_scaler(tr.precision, env.device)
+        scaler = precision.grad_scaler(tr.precision, env.device, strategies.is_fsdp(model))
 
         run_dir = cfg.run_dir
         if env.is_master:
@@ -278,7 +284,10 @@ class _Loop:
         self.step_times: list[float] = []
         self.sampler = GlobalSampler(len(train_ds), env.world_size, env.rank, cfg.trainer.seed,
                                      shuffle=True, drop_last=True, global_batch=global_batch)
-        self.loader = _loader(train_ds, self.sampler, cfg, env)
+        # per process and micro-step: batch_size, or batch_size x GPUs under nn.DataParallel
+        self.micro_batch = global_batch // (env.world_size * accum)
+        self.fsdp = strategies.is_fsdp(model)
+        self.loader = _loader(train_ds, self.sampler, self.micro_batch, cfg, env)
         self.static_tokens = cfg.data.format == "packed"  # no ignored targets: count is known
 
     def _micro_batches(self) -> Iterator[dict]:
@@ -374,7 +383,7 @@ class _Loop:
         targets = mb["targets"].to(dev, non_blocking=True)  # (B, T)
         mask = mb.get("attention_mask")
         mask = mask.to(dev, non_blocking=True) if mask is not None else None
-        with precision.autocast(self.cfg.trainer.precision, dev):
+        with precision.autocast(self.cfg.trainer.precision, dev, self.fsdp):
             logits = (model or self.model)(idx, attention_mask=mask)  # (B, T, V)
         s = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                             ignore_index=IGNORE_INDEX, reduction="sum")
@@ -391,7 +400,7 @@ class _Loop:
         if n == 0:
             return None
         mine = list(EvalSampler(n, env.world_size, env.rank))
-        b = tr.batch_size
+        b = self.micro_batch
         n_batches = math.ceil(math.ceil(n / env.world_size) / b)  # the same on every rank
         was_training = self.model.training
         self.model.eval()
@@ -410,10 +419,11 @@ class _Loop:
         return env.weighted_mean(total, count)
 
 
-def _loader(ds: Any, sampler: Any, cfg: TrainConfig, env: DistEnv) -> DataLoader:
+def _loader(ds: Any, sampler: Any, batch_size: int, cfg: TrainConfig, env: DistEnv
+            ) -> DataLoader:
     from .data import collate
     workers = cfg.data.num_workers
-    return DataLoader(ds, batch_size=cfg.trainer.batch_size, sampler=sampler, drop_last=True,
+    return DataLoader(ds, batch_size=batch_size, sampler=sampler, drop_last=True,
                       collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
                       pin_memory=env.device.type == "cuda")
 
