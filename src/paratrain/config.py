@@ -79,7 +79,8 @@ class TrainerConfig:
     verbose: bool = False
     activation_checkpointing: bool = False
     compile: bool = False
-    cpu_offload: bool = False
+    cpu_offload: bool = False  # fsdp: keep parameters, gradients and optimizer state in RAM
+    reshard_after_forward: bool = True  # fsdp: free full parameters after forward (less memory)
     progress_bar: bool = True
 
 
