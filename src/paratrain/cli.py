@@ -59,6 +59,35 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from .bench import run_bench
+    path, overrides = _split_config_args(ns.args)
+    report = run_bench(path, overrides, scaling=ns.scaling,
+                       rows=ns.rows.split(",") if ns.rows else None, steps=ns.steps,
+                       warmup=ns.warmup, repeats=ns.repeats, out=ns.out,
+                       peak_tflops=ns.peak_tflops)
+    print(report["table"])
+    print(report["plot_note"] or f"chart: {report['plot']}")
+    print(f"results: {report['json']}")
+    return 0
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    import json
+
+    from .config import TrainConfig
+    from .plan import format_plan, plan_for_config
+    path, overrides = _split_config_args(ns.args)
+    cfg = TrainConfig.from_yaml(path, overrides)
+    rows, capacity, pick = plan_for_config(cfg)
+    if ns.json:
+        print(json.dumps({"rows": [r.to_dict() for r in rows], "capacity_bytes": capacity,
+                          "auto": {"strategy": pick[0], "why": pick[1]}}, indent=2))
+    else:
+        print(format_plan(rows, capacity, pick))
+    return 0
+
+
 def cmd_config_show(ns: argparse.Namespace) -> int:
     from .config import TrainConfig
     path, overrides = _split_config_args(ns.args)
@@ -92,12 +121,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start with [BOT], as padded-format training saw documents start")
     g.set_defaults(func=cmd_generate)
 
+    pl = sub.add_parser("plan", help="memory per device for each strategy, and auto's pick",
+                        description="Predict parameter, gradient, optimizer and activation bytes "
+                                    "per device for single/ddp/fsdp/fsdp+ac/fsdp+offload at the "
+                                    "configured world size, precision, batch and sequence length.")
+    pl.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pl.set_defaults(func=cmd_plan)
+
     c = sub.add_parser("config", help="show the resolved configuration")
     csub = c.add_subparsers(dest="config_command", metavar="ACTION")
     csub.required = True
     cs = csub.add_parser("show", help="print the resolved config as YAML")
     cs.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     cs.set_defaults(func=cmd_config_show)
+
+    bp = sub.add_parser("bench", help="strategies side by side, against a plain PyTorch loop",
+                        description="Time the configured model under each strategy and under a "
+                                    "hand-written DDP loop (interleaved runs, median step after "
+                                    "warm-up); write bench.json and bench.png.")
+    bp.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
+    bp.add_argument("--scaling", action="store_true",
+                    help="1 worker vs all workers, same per-device batch: weak-scaling efficiency")
+    bp.add_argument("--rows", default=None,
+                    help="comma-separated rows to run (default: all of "
+                         "single,dp,ddp,fsdp,fsdp+ac,plain)")
+    bp.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
+    bp.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    bp.add_argument("--repeats", type=int, default=2, help="interleaved repeats (default 2)")
+    bp.add_argument("--out", default=None, help="output folder (default: <run dir>/bench)")
+    bp.add_argument("--peak-tflops", type=float, default=None,
+                    help="peak TFLOP/s per GPU for MFU (default: from the GPU's name)")
+    bp.set_defaults(func=cmd_bench)
     return p
 
 

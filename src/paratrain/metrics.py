@@ -90,6 +90,7 @@ class ProgressBar:
 
     def __init__(self, env: DistEnv, total: int, initial: int = 0, enabled: bool = True):
         self._bar = None
+        self._env = env
         if env.is_master and enabled:
             from tqdm.auto import tqdm
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step",
@@ -102,8 +103,11 @@ class ProgressBar:
             self._bar.update(n)
 
     def write(self, msg: str) -> None:
+        """A log line that does not tear the bar apart."""
         if self._bar is not None:
-            self._bar.write(msg, file=sys.stderr)
+            self._bar.write(f"[paratrain] {msg}", file=sys.stderr)
+        else:
+            log(self._env, msg)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -137,6 +141,44 @@ class Throughput:
         return out
 
 
+class SavedTensorMeter:
+    """Bytes autograd saves for backward while this context is open: the activation memory of a
+    step, measured the same way on every device (RSS on a CPU mixes in the allocator and the
+    interpreter). Parameters and repeated views of one storage are counted once, not at all for
+    parameters."""
+
+    def __init__(self, model: nn.Module):
+        self._params = {_storage_ptr(p) for p in model.parameters() if p.device.type != "meta"}
+        self._seen: dict[int, int] = {}
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        ptr = _storage_ptr(local)
+        if ptr is not None and ptr not in self._params and not isinstance(t, nn.Parameter):
+            self._seen[ptr] = local.untyped_storage().nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    def __enter__(self) -> "SavedTensorMeter":
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def _storage_ptr(t: torch.Tensor) -> Optional[int]:
+    """None for storages that FSDP has freed (resized to nothing) between uses."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated by the caching allocator on GPUs; peak resident set of the process on CPU."""
     if device.type == "cuda":
@@ -146,7 +188,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def memory_entry(env: DistEnv, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                 grads_bytes: Optional[int] = None) -> dict:
+                 grads_bytes: Optional[int] = None, activation_bytes: Optional[int] = None
+                 ) -> dict:
     """This rank's state bytes. Gradients are freed between steps, so the loop passes what it
     measured while they were alive."""
     params = list(model.parameters())
@@ -159,6 +202,7 @@ def memory_entry(env: DistEnv, model: nn.Module, optimizer: Optional[torch.optim
              "grads_bytes": local_bytes(p.grad for p in params) if grads_bytes is None
              else grads_bytes,
              "optimizer_bytes": local_bytes(opt_tensors),
+             "activation_bytes": activation_bytes,
              "peak_bytes": peak_memory_bytes(env.device)}
     if env.device.type == "cuda":
         entry["reserved_bytes"] = int(torch.cuda.max_memory_reserved(env.device))
@@ -166,16 +210,19 @@ def memory_entry(env: DistEnv, model: nn.Module, optimizer: Optional[torch.optim
 
 
 def gather_memory(env: DistEnv, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                  grads_bytes: Optional[int] = None) -> list[dict]:
+                  grads_bytes: Optional[int] = None, activation_bytes: Optional[int] = None
+                  ) -> list[dict]:
     """Every rank's memory entry, gathered to all ranks (rank 0 prints and saves them)."""
-    return env.gather_objects(memory_entry(env, model, optimizer, grads_bytes))
+    return env.gather_objects(memory_entry(env, model, optimizer, grads_bytes,
+                                           activation_bytes))
 
 
 def format_memory_table(rows: list[dict]) -> str:
     def mb(x: int) -> str:
         return f"{x / 2**20:9.1f}"
-    lines = ["rank  device     params MB  grads MB  optim MB   peak MB"]
+    lines = ["rank  device     params MB  grads MB  optim MB  activ MB   peak MB"]
     for r in rows:
         lines.append(f"{r['rank']:>4}  {r['device']:<9} {mb(r['params_bytes'])} "
-                     f"{mb(r['grads_bytes'])} {mb(r['optimizer_bytes'])} {mb(r['peak_bytes'])}")
+                     f"{mb(r['grads_bytes'])} {mb(r['optimizer_bytes'])} "
+                     f"{mb(r.get('activation_bytes') or 0)} {mb(r['peak_bytes'])}")
     return "\n".join(lines)

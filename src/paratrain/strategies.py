@@ -92,7 +92,8 @@ def apply_fsdp(model: nn.Module, env: DistEnv, *, param_dtype: Optional[torch.dt
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
                                                    reduce_dtype=torch.float32)
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # pinned host memory makes the copies asynchronous; it needs an accelerator to exist
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
     for module in _wrap_units(model, wrap):
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)

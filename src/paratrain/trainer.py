@@ -13,6 +13,7 @@ The loop is the nanoGPT loop with three rules that make it exact across world si
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,11 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import checkpoint, launch, metrics, optim, precision, strategies
+from . import checkpoint, launch, metrics, optim, precision, strategies, watchdog
 from .config import TrainConfig
-from .dist import DistEnv
+from .dist import DistEnv, restart_attempt
 from .errors import ConfigError, DataError, RunDirError
 from .metrics import log
+from .snapshot import shown
 
 IGNORE_INDEX = -100
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", checkpoint.MODEL_DIR)
@@ -70,7 +72,7 @@ class Trainer:
         if launcher is not None:  # torchrun / Slurm started us: we are one rank
             env = launch.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
                                          cfg.distributed.timeout_s)
-            return _result(train(cfg, env))
+            return _result(train(cfg, dataclasses.replace(env, attempt=restart_attempt())))
         devices = launch.parse_devices(cfg.trainer.devices)
         d = cfg.distributed
         # Everything a user can get wrong is checked here, before a single worker starts.
@@ -81,16 +83,19 @@ class Trainer:
                                             device=devices[0]),
                                     cpu_offload=cfg.trainer.cpu_offload)
         precision.check_precision(cfg.trainer.precision, devices[0])
-        check_run_dir(cfg)
+        if d.node_rank == 0:  # only node 0 writes outputs
+            check_run_dir(cfg)
         if (len(devices) == 1 or cfg.trainer.strategy == "dp") and d.nnodes == 1:
             return _result(train(cfg, DistEnv.single(devices[0])))
         from .data import prepare_data
-        prepared = prepare_data(cfg.data, cfg.cache_dir, log=lambda m: log(DistEnv(), m))
-        data_plan(cfg, prepared, world)
-        results = launch.launch_workers(
-            worker_entry, (cfg.to_dict(), [str(x) for x in devices]), nproc=len(devices),
-            master_addr=d.master_addr, master_port=d.master_port, nnodes=d.nnodes,
-            node_rank=d.node_rank, max_restarts=d.max_restarts, timeout_s=d.timeout_s)
+        with launch.join_nodes(d.master_addr, d.master_port, d.nnodes, d.node_rank, len(devices),
+                               d.timeout_s, config=cfg.to_dict(), rdzv=d.rdzv) as nodes:
+            # node 0 first: a cache in a shared directory is built once, then reused
+            prepared = nodes.first_then_others("data", lambda: prepare_data(
+                cfg.data, cfg.cache_dir, log=lambda m: log(DistEnv(node_rank=d.node_rank), m)))
+            data_plan(cfg, prepared, world)
+            results = nodes.launch(worker_entry, (cfg.to_dict(), [str(x) for x in devices]),
+                                   max_restarts=d.max_restarts)
         return _result(results[min(results)])
 
 
@@ -104,22 +109,20 @@ def _worker_main(cfg_dict: dict, devices: list[str]) -> dict:
     cfg = TrainConfig.from_dict(cfg_dict)
     launcher = launch.detect_launcher()
     assert launcher is not None, "worker_entry runs under the elastic agent"
-    device = torch.device(devices[launcher.local_rank])
-    env = DistEnv(rank=launcher.rank, local_rank=launcher.local_rank,
-                  world_size=launcher.world_size, local_world_size=launcher.local_world_size,
-                  node_rank=launcher.node_rank, nnodes=launcher.nnodes, device=device,
-                  backend=launch.default_backend(device, cfg.distributed.backend),
-                  timeout_s=cfg.distributed.timeout_s)
-    return train(cfg, env)
+    env = launch.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
+                                 cfg.distributed.timeout_s, devices=devices)
+    return train(cfg, dataclasses.replace(env, attempt=restart_attempt()))
 
 
-def check_run_dir(cfg: TrainConfig) -> None:
-    """Refuse to write over another run unless told to: nothing of it is lost by a typo."""
+def check_run_dir(cfg: TrainConfig, attempt: int = 0) -> None:
+    """Refuse to write over another run unless told to: nothing of it is lost by a typo. Not in
+    the way: an unfinished run that checkpoint.resume continues from a committed snapshot, and
+    our own run when the elastic agent restarts its workers (attempt > 0)."""
     d = cfg.run_dir
     if d.exists() and not d.is_dir():
         raise RunDirError(f"run.dir {str(d)!r} is a file; choose another run.name or run.dir")
     held = [f for f in RUN_FILES if (d / f).exists()]
-    if held and not cfg.run.overwrite:
+    if held and not cfg.run.overwrite and attempt == 0 and not checkpoint.continues(cfg, held):
         raise RunDirError(f"run.dir {str(d)!r} already holds a run ({', '.join(held)}); choose "
                           "another run.name or run.dir, or pass run.overwrite=true to replace it")
 
@@ -140,10 +143,14 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict:
     t_start = time.perf_counter()
     if env.device.type == "cpu":  # ranks sharing the cores: one slice each, not all each
         torch.set_num_threads(max(1, launch.cpu_count() // env.local_world_size))
-    check_run_dir(cfg)  # every rank, before init: nobody has written anything yet
+    if env.is_master:  # before init: nobody has written anything yet
+        check_run_dir(cfg, env.attempt)
     precision.check_precision(cfg.trainer.precision, env.device)
     env.init()
-    model = optimizer = None
+    # Names a stalled rank instead of a bare collective timeout; stacks go to the run dir.
+    dog = watchdog.Watchdog.start(env, cfg.run_dir, cfg.distributed.timeout_s)
+    model = optimizer = snaps = None
+    failed = False
     try:
         # Data: local rank 0 builds the cache (a no-op when the launcher already did), the
         # other ranks of the node wait for it; a node that shares the directory reuses it.
@@ -155,7 +162,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict:
         tr = cfg.trainer
         args = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or
                                     tokenizer.vocab_size, seq_length=cfg.data.seq_length)
-        strategy, why = strategies.resolve_strategy(tr.strategy, env, cpu_offload=tr.cpu_offload)
+        strategy, why, ac, offload = _pick_strategy(cfg, env, lambda: build_model(args),
+                                                    args.vocab_size)
         # nn.DataParallel splits one process's batch over its GPUs: batch_size per GPU, still
         replicas = len(launch.parse_devices(tr.devices)) if strategy == "dp" else 1
         train_ds, val_ds, accum, global_batch, steps_per_epoch = data_plan(
@@ -165,39 +173,57 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict:
         torch.manual_seed(tr.seed)  # the same initial weights on every rank
         model = precision.prepare_model(build_model(args), tr.precision)
         n_params = count_params(model)
-        model = strategies.parallelize(model, strategy, env,
-                                       activation_checkpointing=tr.activation_checkpointing,
+        model = strategies.parallelize(model, strategy, env, activation_checkpointing=ac,
                                        compile=tr.compile, precision=tr.precision,
-                                       cpu_offload=tr.cpu_offload,
+                                       cpu_offload=offload,
                                        reshard_after_forward=tr.reshard_after_forward)
         torch.manual_seed(tr.seed + 1 + env.rank)  # dropout differs between ranks
         optimizer = optim.build_optimizer(model, cfg.optim, env.device)
         scheduler = optim.build_scheduler(optimizer, cfg.optim, total_steps)
         scaler = precision.grad_scaler(tr.precision, env.device, strategies.is_fsdp(model))
 
+        snaps = checkpoint.Snapshotter(
+            cfg, env, model, optimizer, scheduler, scaler, tokenizer_path=prepared.tokenizer_path,
+            info={"strategy": strategy, "precision": tr.precision, "model": args.to_dict(),
+                  "global_batch": global_batch, "steps_per_epoch": steps_per_epoch,
+                  "total_steps": total_steps})
+        resumed = snaps.resume()
         run_dir = cfg.run_dir
         if env.is_master:
             run_dir.mkdir(parents=True, exist_ok=True)
-            for stale in ("metrics.jsonl", "summary.json"):  # run.overwrite=true
-                (run_dir / stale).unlink(missing_ok=True)
+            for stale in ("metrics.jsonl", "samples.jsonl", "summary.json"):
+                if resumed is not None and stale.endswith(".jsonl"):
+                    checkpoint.trim_jsonl(run_dir / stale, resumed.step)  # those steps run again
+                else:  # a fresh start (run.overwrite=true, or a restart before any snapshot)
+                    (run_dir / stale).unlink(missing_ok=True)
             metrics.write_text_atomic(run_dir / "config.yaml", cfg.to_yaml(redact=True))
-        log(env, f"model {args.arch}: {n_params / 1e6:.2f}M parameters; strategy {strategy} "
-                 f"({why}); {env.world_size} worker(s) on {env.device.type}; precision "
-                 f"{tr.precision}")
+        extras = "".join([" + activation checkpointing" if ac else "",
+                          " + CPU offload" if offload else ""])
+        log(env, f"model {args.arch}: {n_params / 1e6:.2f}M parameters; strategy {strategy}"
+                 f"{extras} ({why}); {env.world_size} worker(s) on {env.device.type}; "
+                 f"precision {tr.precision}")
         log(env, f"batch: {tr.batch_size} per device x {env.world_size} workers x {accum} "
                  f"accumulation = {global_batch} sequences of {cfg.data.seq_length} tokens; "
                  f"{total_steps} steps ({steps_per_epoch} per epoch)")
+        if resumed is not None:
+            resharded = (f"; saved by {resumed.world_size} worker(s), resharded to "
+                         f"{env.world_size}" if resumed.world_size != env.world_size else "")
+            log(env, f"resumed from step {resumed.step} ({shown(resumed.url)}){resharded}")
         if tr.verbose:
             log(env, "memory at start:\n" + metrics.format_memory_table(
                 metrics.gather_memory(env, model, optimizer)))
 
         loop = _Loop(cfg, env, model, optimizer, scheduler, scaler, train_ds, val_ds,
-                     accum, global_batch, steps_per_epoch, total_steps)
+                     accum, global_batch, steps_per_epoch, total_steps, snapshots=snaps,
+                     resumed=resumed)
+        dog.watch(loop.progress)
         last = loop.run()
+        snaps.close()  # the last snapshot in flight is committed before anything else
         val_loss = loop.evaluate()
         if val_loss is not None:
             log(env, f"validation loss {val_loss:.4f} (perplexity {math.exp(val_loss):.2f})")
-        memory = metrics.gather_memory(env, model, optimizer, loop.grads_bytes)
+        memory = metrics.gather_memory(env, model, optimizer, loop.grads_bytes,
+                                       loop.activation_bytes)
         if tr.verbose:
             log(env, "memory at end:\n" + metrics.format_memory_table(memory))
 
@@ -211,9 +237,14 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict:
             "tokens_per_s": loop.tokens / max(loop.train_s, 1e-9), "tokens": loop.tokens,
             "data_wait_s": loop.data_wait_s, "step_times_s": loop.step_times,
             "world_size": env.world_size, "nnodes": env.nnodes, "strategy": strategy,
-            "strategy_reason": why, "precision": tr.precision, "batch_size": tr.batch_size,
+            "strategy_reason": why, "activation_checkpointing": ac, "cpu_offload": offload,
+            "precision": tr.precision, "batch_size": tr.batch_size,
             "grad_accum": accum, "global_batch_size": global_batch,
-            "seq_length": cfg.data.seq_length, "params": n_params, "resumed_from": None,
+            "seq_length": cfg.data.seq_length, "params": n_params,
+            "resumed_from": None if resumed is None else {
+                "step": resumed.step, "path": shown(resumed.url),
+                "world_size": resumed.world_size},
+            "snapshots": snaps.report(),
             "data_fingerprint": prepared.meta.get("fingerprint"), "memory": memory,
         }
         if env.is_master:
@@ -224,9 +255,38 @@ def train(cfg: TrainConfig, env: DistEnv) -> dict:
                      f"in {run_dir}")
         env.barrier()  # nobody leaves before rank 0 has written the model
         return {"summary": summary, "run_dir": str(run_dir), "is_master": env.is_master}
+    except Exception as e:
+        failed = True
+        stalled = dog.explain(e)  # a collective timed out: who stalled, and where
+        if stalled is not None:
+            raise stalled from e
+        raise
     finally:
-        del model, optimizer
-        env.teardown()
+        dog.stop()
+        del model, optimizer, snaps
+        env.teardown(barrier=not failed)
+
+
+def _pick_strategy(cfg: TrainConfig, env: DistEnv, factory: Any, vocab_size: int
+                   ) -> tuple[str, str, bool, bool]:
+    """(strategy, why, activation checkpointing, cpu offload). For `auto` on several devices the
+    memory plan decides, on rank 0 (device capacities differ a little between ranks; the choice
+    must not), and everyone follows."""
+    tr = cfg.trainer
+    planned = None
+    if tr.strategy == "auto" and env.world_size > 1 and not tr.cpu_offload:
+        if env.is_master:
+            from . import plan
+            rows = plan.estimate(factory, world=env.world_size, precision=tr.precision,
+                                 micro_batch=tr.batch_size, seq_length=cfg.data.seq_length,
+                                 vocab_size=vocab_size)
+            planned = plan.choose(rows, plan.device_capacity(env.device, env.local_world_size))
+        planned = env.broadcast_object(planned)
+    strategy, why = strategies.resolve_strategy(tr.strategy, env, cpu_offload=tr.cpu_offload,
+                                                planned=planned)
+    base, _, extra = strategy.partition("+")
+    return (base, why, tr.activation_checkpointing or extra in ("ac", "offload"),
+            tr.cpu_offload or extra == "offload")
 
 
 def data_plan(cfg: TrainConfig, prepared: Any, world_size: int) -> tuple:
@@ -267,7 +327,9 @@ class _Loop:
     def __init__(self, cfg: TrainConfig, env: DistEnv, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
                  train_ds: Any, val_ds: Any, accum: int, global_batch: int,
-                 steps_per_epoch: int, total_steps: int):
+                 steps_per_epoch: int, total_steps: int, *,
+                 snapshots: Optional[checkpoint.Snapshotter] = None,
+                 resumed: Optional[checkpoint.Resumed] = None):
         from .data import GlobalSampler
         self.cfg, self.env, self.model = cfg, env, model
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
@@ -279,6 +341,8 @@ class _Loop:
         self.train_s = 0.0
         self.grads_bytes: Optional[int] = None  # measured once, while gradients exist
         self.data_wait_s = 0.0  # time the loop waited for batches: should be ~0
+        self.progress = watchdog.Progress()  # where this rank is, for the stalled-rank watchdog
+        self.activation_bytes: Optional[int] = None  # saved for backward by one micro-step
         # Wall time of every step, end to end (data, step, logging, bar): `paratrain bench`
         # takes the median after warm-up, which leaves start-up and compilation out.
         self.step_times: list[float] = []
@@ -287,8 +351,35 @@ class _Loop:
         # per process and micro-step: batch_size, or batch_size x GPUs under nn.DataParallel
         self.micro_batch = global_batch // (env.world_size * accum)
         self.fsdp = strategies.is_fsdp(model)
-        self.loader = _loader(train_ds, self.sampler, self.micro_batch, cfg, env)
+        # checkpoint.record_samples: a pass-through that notes which samples each step took
+        self.recorder = checkpoint.SampleRecorder(self.sampler) \
+            if cfg.checkpoint.record_samples else None
+        self.loader = _loader(train_ds, self.sampler if self.recorder is None else self.recorder,
+                              self.micro_batch, cfg, env)
         self.static_tokens = cfg.data.format == "packed"  # no ignored targets: count is known
+        self.snapshots = snapshots
+        self.carry = (0.0, 0.0)  # this rank's loss sum and tokens since the last log line
+        if resumed is not None:
+            self._restore(resumed)
+
+    def _restore(self, resumed: checkpoint.Resumed) -> None:
+        """Continue after optimizer step `resumed.step`. The sampler skips what the steps of
+        this epoch consumed, counted globally, so any world size continues the same order."""
+        self.step = resumed.step
+        epoch, done = divmod(self.step, self.steps_per_epoch)
+        self.sampler.load_state_dict({"epoch": epoch, "seed": self.sampler.seed,
+                                      "position": done * self.global_batch // self.env.world_size})
+        if resumed.rank is not None:
+            self.carry = (resumed.rank["loss_sum"], resumed.rank["count"])
+        elif self.env.is_master:  # another world size: the window's sums move to rank 0
+            ranks = resumed.loop["ranks"]
+            self.carry = (sum(r["loss_sum"] for r in ranks), sum(r["count"] for r in ranks))
+
+    def _snapshot(self, loss_sum: float, count: float) -> None:
+        epoch, done = divmod(self.step, self.steps_per_epoch)
+        self.snapshots.save(self.step, {"epoch": epoch, "samples_in_epoch": done *  # type: ignore
+                                        self.global_batch, "sampler_seed": self.sampler.seed},
+                            {"loss_sum": loss_sum, "count": count})
 
     def _micro_batches(self) -> Iterator[dict]:
         epoch = self.step // self.steps_per_epoch
@@ -302,13 +393,16 @@ class _Loop:
         mlog = metrics.MetricsLog(cfg.run_dir / "metrics.jsonl" if env.is_master else None)
         bar = metrics.ProgressBar(env, self.total_steps, self.step, tr.progress_bar)
         window = metrics.Throughput()
-        loss_sum = count = 0.0  # since the last log line, this rank
+        loss_sum, count = self.carry  # since the last log line, this rank
+        slog = metrics.MetricsLog(cfg.run_dir / "samples.jsonl"
+                                  if env.is_master and self.recorder is not None else None)
         last: dict = {}
         batches = self._micro_batches()
         t0 = t_step = time.perf_counter()
         try:
             while self.step < self.total_steps:
                 t_data = time.perf_counter()
+                self.progress.at(self.step + 1, "data")
                 micro = [next(batches) for _ in range(self.accum)]
                 window.wait(time.perf_counter() - t_data)
                 self.data_wait_s += time.perf_counter() - t_data
@@ -316,6 +410,9 @@ class _Loop:
                 loss_sum += s
                 count += n
                 self.step += 1
+                if self.recorder is not None:  # every rank's sample ids of this step
+                    ids = env.gather_objects(self.recorder.pop())
+                    slog.write({"step": self.step, "ids": sorted(i for r in ids for i in r)})
                 window.add(n_tokens := self.global_batch * cfg.data.seq_length)
                 self.tokens += n_tokens
                 evaluate = self.step % tr.eval_every == 0 and self.step < self.total_steps
@@ -330,6 +427,16 @@ class _Loop:
                     mlog.write(last)
                     bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}")
                 bar.update(1)
+                if tr.verbose and self.step % self.steps_per_epoch == 0 \
+                        and self.step < self.total_steps:  # the end of an epoch
+                    bar.write("memory after epoch "
+                              f"{self.step // self.steps_per_epoch}:\n" +
+                              metrics.format_memory_table(metrics.gather_memory(
+                                  env, self.model, self.optimizer, self.grads_bytes,
+                                  self.activation_bytes)))
+                if self.snapshots is not None and self.snapshots.due(
+                        self.step, self.steps_per_epoch, self.total_steps):
+                    self._snapshot(loss_sum, count)
                 now = time.perf_counter()
                 self.step_times.append(now - t_step)
                 t_step = now
@@ -337,6 +444,7 @@ class _Loop:
             self.train_s += time.perf_counter() - t0
             bar.close()
             mlog.close()
+            slog.close()
         return last
 
     def _train_step(self, micro: list[dict]) -> tuple[float, float, float]:
@@ -353,12 +461,19 @@ class _Loop:
         tokens = 0
         for i, mb in enumerate(micro):
             sync = i == len(micro) - 1
-            with (contextlib.nullcontext() if sync else strategies.no_grad_sync(model)):
+            measure = self.activation_bytes is None and i == 0  # once: the first micro-step
+            meter = metrics.SavedTensorMeter(model) if measure else contextlib.nullcontext()
+            with (contextlib.nullcontext() if sync else strategies.no_grad_sync(model)), meter:
+                self.progress.at(self.step + 1, "forward", i)
                 s, n = self._loss(mb)
                 loss = s * scale
+                if measure:
+                    self.activation_bytes = meter.bytes
+                self.progress.at(self.step + 1, "backward", i)
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += s.detach().double()
             tokens += n
+        self.progress.at(self.step + 1, "optimizer")
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
         clip = self.cfg.optim.grad_clip or float("inf")
@@ -394,6 +509,7 @@ class _Loop:
         """Token-weighted validation loss over every sample once, whatever the world size."""
         from .data import EvalSampler, collate
         env, tr = self.env, self.cfg.trainer
+        self.progress.at(self.step, "eval")
         n = len(self.val_ds)
         if tr.eval_samples is not None:
             n = min(n, tr.eval_samples)
@@ -423,9 +539,12 @@ def _loader(ds: Any, sampler: Any, batch_size: int, cfg: TrainConfig, env: DistE
             ) -> DataLoader:
     from .data import collate
     workers = cfg.data.num_workers
+    # A generator of its own: by default every new iterator draws a seed from the global RNG,
+    # and a resumed run starts its iterator mid-epoch, which would shift dropout's random stream.
     return DataLoader(ds, batch_size=batch_size, sampler=sampler, drop_last=True,
                       collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
-                      pin_memory=env.device.type == "cuda")
+                      pin_memory=env.device.type == "cuda",
+                      generator=torch.Generator().manual_seed(cfg.trainer.seed))
 
 
 def _dot_value(v: Any) -> str:

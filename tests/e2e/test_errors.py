@@ -33,6 +33,8 @@ def _fail(capsys, argv) -> str:
      ["model.num_kv_heads=3 does not divide model.num_heads"]),
     (["trainer.devices=cpu:2", "trainer.strategy=single"], ["trainer.strategy=single"]),
     (["trainer.devices=cpu:2", "trainer.strategy=dp"], ["trainer.strategy=dp", "CUDA"]),
+    (["trainer.devices=cpu:2", "trainer.strategy=ddp", "trainer.cpu_offload=true"],
+     ["trainer.cpu_offload=true needs trainer.strategy=fsdp"]),
     (["trainer.devices=cpu:2", "trainer.batch_size=4", "trainer.global_batch_size=10"],
      ["trainer.global_batch_size=10 is not divisible", "4 x 2 = 8"]),
 ])
