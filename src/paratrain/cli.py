@@ -95,6 +95,31 @@ def cmd_config_show(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint_inspect(ns: argparse.Namespace) -> int:
+    import json
+
+    from . import snapshot
+    _, step = snapshot.split(ns.path)
+    if step is None:  # a checkpoints folder or a run dir: one line per snapshot
+        rows = snapshot.listing(ns.path)
+        if ns.json:
+            print(json.dumps(rows, indent=2))
+        for r in [] if ns.json else rows:
+            state = "committed" if r["committed"] else "NOT committed"
+            print(f"{r['path']}  step {r['step']}  {state}  {r['bytes']:,} bytes"
+                  + (f"  unusable: {r['problem']}" if r["committed"] and r["problem"] else ""))
+        return 0
+    d = snapshot.describe(ns.path)
+    print(json.dumps(d, indent=2) if ns.json else snapshot.format_description(d))
+    return 0
+
+
+def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
+    from .checkpoint import export_snapshot
+    print(f"wrote {export_snapshot(ns.path, ns.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="paratrain",
@@ -135,6 +160,33 @@ def build_parser() -> argparse.ArgumentParser:
     cs = csub.add_parser("show", help="print the resolved config as YAML")
     cs.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     cs.set_defaults(func=cmd_config_show)
+
+    from . import doctor
+    dr = sub.add_parser("doctor", help="environment, devices, master address and an all-reduce",
+                        description="Versions, devices, backends, env vars, master address and "
+                                    "port; then an all-reduce over the local devices (and nodes "
+                                    "with --nnodes) with bus bandwidth as nccl-tests reports it.")
+    doctor.add_arguments(dr)
+    dr.set_defaults(func=doctor.run)
+
+    k = sub.add_parser("checkpoint", help="look into training snapshots, export their weights")
+    ksub = k.add_subparsers(dest="checkpoint_command", metavar="ACTION")
+    ksub.required = True
+    ki = ksub.add_parser("inspect", help="step, world size, strategy, tensors, committed or not",
+                         description="PATH: a snapshot folder (step-NNNNNNN), or a checkpoints "
+                                     "folder or run dir to list its snapshots. Local or fsspec "
+                                     "URL (s3://...).")
+    ki.add_argument("path")
+    ki.add_argument("--json", action="store_true", help="print JSON instead of text")
+    ki.set_defaults(func=cmd_checkpoint_inspect)
+    ke = ksub.add_parser("export", help="one model.safetensors from a sharded snapshot",
+                         description="PATH: a snapshot folder, or a checkpoints folder or run "
+                                     "dir (its newest committed snapshot). OUT: a folder (model "
+                                     "+ config.json + tokenizer.json, for `paratrain generate`) "
+                                     "or a file ending in .safetensors.")
+    ke.add_argument("path")
+    ke.add_argument("out")
+    ke.set_defaults(func=cmd_checkpoint_export)
 
     bp = sub.add_parser("bench", help="strategies side by side, against a plain PyTorch loop",
                         description="Time the configured model under each strategy and under a "

@@ -98,9 +98,11 @@ class OptimConfig:
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None  # default: <run.dir>/checkpoints
-    every_steps: int = 0
+    every_steps: int = 0  # 0: no snapshots; N: every N steps and at each epoch end
     keep_last: int = 2
-    resume: str = "auto"
+    resume: str = "auto"  # auto | never | a snapshot folder (step-NNNNNNN)
+    async_save: bool = True  # write in the background; false: the loop waits for the write
+    record_samples: bool = False  # test aid: samples.jsonl lists each step's sample ids
 
 
 @dataclass
@@ -112,6 +114,7 @@ class DistributedConfig:
     timeout_s: float = 300.0
     max_restarts: int = 0
     backend: str = "auto"
+    rdzv: str = "static"  # static: node_rank fixes the order; c10d: torch's dynamic rendezvous
 
 
 @dataclass
@@ -203,6 +206,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("data.format", cfg.data.format, FORMATS)
     _choice("data.tokenizer", cfg.data.tokenizer, TOKENIZERS)
     _choice("distributed.backend", cfg.distributed.backend, BACKENDS)
+    _choice("distributed.rdzv", cfg.distributed.rdzv, ("static", "c10d"))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name):
         raise ConfigError(f"run.name={cfg.run.name!r} may hold only letters, digits, '.', '_' "
                           "and '-'")

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import datetime as _dt
 import gc
+import os
 from dataclasses import dataclass
-from typing import Any, List, Sequence
+from typing import Any, List, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+def restart_attempt(environ: Mapping[str, str] = os.environ) -> int:
+    """How many times the elastic agent has restarted this worker group (read once, where a
+    worker's DistEnv is built)."""
+    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,13 @@ class DistEnv:
     device: torch.device = torch.device("cpu")
     backend: str = "gloo"  # meaningful only when world_size > 1
     timeout_s: float = 300.0
+    # Where the job's key-value store listens (rank 0's host) and how to join the group:
+    # "env://" under the elastic agent/torchrun, "tcp://addr:port" under Slurm (no agent).
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    init_method: str = "env://"
+    job_id: str = "local"  # the same on every rank of one attempt; namespaces store keys
+    attempt: int = 0  # the elastic agent's restart count: 0 first, 1 after one restart, ...
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "DistEnv":
@@ -56,17 +70,26 @@ class DistEnv:
         kwargs: dict[str, Any] = {}
         if self.backend == "nccl":
             kwargs["device_id"] = self.device  # binds NCCL to the device up front
+        timeout = _dt.timedelta(seconds=self.timeout_s)
+        # A restarted group meets in the store the agent kept from the attempt before; keys left
+        # there by that attempt make gloo connect to dead peers (or hang). Each job and attempt
+        # gets a key prefix of its own (see shared/notes/torch-distributed-on-cpu.md).
+        store, _, _ = next(dist.rendezvous(self.init_method, self.rank, self.world_size,
+                                           timeout=timeout))
         dist.init_process_group(backend=self.backend, rank=self.rank, world_size=self.world_size,
-                                timeout=_dt.timedelta(seconds=self.timeout_s), **kwargs)
+                                store=dist.PrefixStore(f"{self.job_id}/attempt_{self.attempt}", store),
+                                timeout=timeout, **kwargs)
 
-    def teardown(self, *objects_to_drop: Any) -> None:
+    def teardown(self, *objects_to_drop: Any, barrier: bool = True) -> None:
         """Leave the group cleanly. Callers drop their references to wrapped models first:
-        a DDP module still alive at destroy_process_group intermittently aborts the process."""
+        a DDP module still alive at destroy_process_group intermittently aborts the process.
+        After a failure, `barrier=False`: a peer that stalled would hold us another timeout."""
         del objects_to_drop
         gc.collect()
         if self.distributed and dist.is_initialized():
             try:
-                dist.barrier()
+                if barrier:
+                    dist.barrier()
             finally:
                 dist.destroy_process_group()
 

@@ -22,3 +22,7 @@ class RunDirError(ParatrainError):
 
 class TrainingError(ParatrainError):
     """A worker process failed; the message names the rank and the cause."""
+
+
+class CheckpointError(ParatrainError):
+    """A snapshot cannot be written, found or loaded (named path, and why)."""

@@ -1,0 +1,213 @@
+"""Several nodes on one machine: two `paratrain train` commands that form one job, on 127.0.0.1
+and on two addresses in network namespaces; Slurm's variables; and every way the nodes can fail
+to meet, each a single line and exit code 2 within the timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from paratrain.launch import free_port
+from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def start(args: list[str], cwd: Path, env: dict | None = None,
+          prefix: list[str] | None = None) -> subprocess.Popen:
+    """`python -m paratrain ARGS` in its own process group (killed whole on timeout)."""
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC",
+                                 "GROUP_RANK", "LOCAL_WORLD_SIZE", "SLURM_"))}
+    full.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, **(env or {}))
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen((prefix or []) + [sys.executable, "-m", "paratrain"] + args, cwd=cwd,
+                            env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """Wait for all; on timeout kill every process group and fail with what they printed."""
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            out.append((p.returncode, o, e))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        logs = "\n".join(f"--- node {i}\n{p.communicate()[1][-2000:]}"
+                         for i, p in enumerate(procs))
+        pytest.fail(f"nodes did not finish in {timeout} s\n{logs}")
+    return out
+
+
+def node_args(corpus_dir, cache_dir, node_rank, port, nnodes=2, **extra) -> list[str]:
+    return ["train"] + tiny_overrides(corpus_dir, cache_dir, **{
+        "run.name": "mn", "trainer.devices": "cpu:1", "trainer.eval_samples": 37,
+        "distributed.nnodes": nnodes, "distributed.node_rank": node_rank,
+        "distributed.master_addr": "127.0.0.1", "distributed.master_port": port,
+        "distributed.timeout_s": 30, **extra})
+
+
+def one_error_line(err: str) -> str:
+    lines = [x for x in err.strip().splitlines() if x.startswith("paratrain: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def test_two_nodes_match_one_node_with_two_workers(tmp_path, corpus_dir):
+    """The seed's recipe: the same command on two nodes (node_rank 0 and 1, one CPU worker
+    each) is the job that one node with two workers runs: same losses, same validation loss;
+    only node 0 writes; a shared data cache is built once (node 1 reuses node 0's)."""
+    cache = tmp_path / "fresh-cache"  # shared by both nodes, empty at the start
+    port = free_port()
+    procs = [start(node_args(corpus_dir, cache, r, port), tmp_path / f"node{r}") for r in (0, 1)]
+    (rc0, out0, err0), (rc1, out1, err1) = finish(procs, timeout=150)
+    assert rc0 == 0, err0[-3000:]
+    assert rc1 == 0, err1[-3000:]
+    assert "final loss" in out0 and out1.strip() == ""  # the master node reports; node 1 exits 0
+    assert "tokenized" in err0 and "tokenized" not in err1 and "reusing" in err1
+    assert not (tmp_path / "node1" / "runs").exists()  # only node 0 wrote outputs
+    run0 = tmp_path / "node0" / "runs" / "mn"
+    s2 = read_summary(run0)
+    assert (s2["world_size"], s2["nnodes"]) == (2, 2)
+
+    (tmp_path / "single").mkdir()
+    r = run_cli(node_args(corpus_dir, cache, 0, 0, nnodes=1, **{"trainer.devices": "cpu:2",
+                                                              "run.name": "one"}),
+                cwd=tmp_path / "single", timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run1 = tmp_path / "single" / "runs" / "one"
+    one, two = [m["loss"] for m in read_metrics(run1)], [m["loss"] for m in read_metrics(run0)]
+    assert len(one) == len(two) == 10
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-6, (one, two)
+    assert abs(read_summary(run1)["val_loss"] - s2["val_loss"]) < 1e-6
+
+
+def test_slurm_variables_are_enough(tmp_path, corpus_dir, cache_dir):
+    """Two tasks as srun starts them: SLURM_PROCID etc., no MASTER_ADDR; rank 0 hosts the
+    store at the first host of the node list (tcp:// init, no agent)."""
+    port = free_port()
+    base = ["train"] + tiny_overrides(corpus_dir, cache_dir, **{
+        "run.name": "slurm", "trainer.devices": "cpu:1", "trainer.max_steps": 4,
+        "trainer.eval_samples": 8, "distributed.timeout_s": 30})
+    procs = []
+    for rank in (0, 1):
+        env = {"SLURM_PROCID": str(rank), "SLURM_LOCALID": "0", "SLURM_NTASKS": "2",
+               "SLURM_NNODES": "2", "SLURM_NODEID": str(rank), "SLURM_NTASKS_PER_NODE": "1",
+               "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
+               "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(start(base, tmp_path / f"task{rank}", env=env))
+    (rc0, out0, err0), (rc1, out1, err1) = finish(procs, timeout=120)
+    assert rc0 == 0 and rc1 == 0, (err0[-2000:], err1[-2000:])
+    assert read_summary(tmp_path / "task0" / "runs" / "slurm")["world_size"] == 2
+    assert not (tmp_path / "task1" / "runs").exists()
+
+
+# ---- two hosts with distinct addresses: network namespaces + a veth pair -----------------------
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+
+
+@pytest.fixture
+def two_hosts():
+    """Namespaces A (10.77.x.1) and B (10.77.x.2) joined by a veth pair; always removed."""
+    tag = uuid.uuid4().hex[:6]
+    ns, veth = (f"pt{tag}a", f"pt{tag}b"), (f"v{tag}a", f"v{tag}b")
+    subnet = f"10.77.{int(tag[:2], 16)}"
+    probe = _ip("netns", "add", ns[0])
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create network namespaces here ({probe.stderr.strip()}); "
+                    "needs root or CAP_SYS_ADMIN")
+    try:
+        steps = [("netns", "add", ns[1]),
+                 ("link", "add", veth[0], "type", "veth", "peer", "name", veth[1]),
+                 ("link", "set", veth[0], "netns", ns[0]),
+                 ("link", "set", veth[1], "netns", ns[1])]
+        for i in (0, 1):
+            steps += [("-n", ns[i], "addr", "add", f"{subnet}.{i + 1}/24", "dev", veth[i]),
+                      ("-n", ns[i], "link", "set", veth[i], "up"),
+                      ("-n", ns[i], "link", "set", "lo", "up")]
+        for s in steps:
+            r = _ip(*s)
+            if r.returncode != 0:
+                pytest.skip(f"`ip {' '.join(s)}` was refused: {r.stderr.strip()}")
+        yield [(ns[i], veth[i], f"{subnet}.{i + 1}") for i in (0, 1)]
+    finally:
+        for n in ns:
+            _ip("netns", "del", n)  # removes the veth ends inside it too
+
+
+def test_two_nodes_on_two_addresses(tmp_path, corpus_dir, cache_dir, two_hosts):
+    (ns0, if0, addr0), (ns1, if1, _) = two_hosts
+    port = free_port()
+    procs = []
+    for r, (ns, ifname) in enumerate(((ns0, if0), (ns1, if1))):
+        args = node_args(corpus_dir, cache_dir, r, port, **{"distributed.master_addr": addr0,
+                                                            "trainer.max_steps": 5})
+        procs.append(start(args, tmp_path / f"host{r}", env={"GLOO_SOCKET_IFNAME": ifname},
+                           prefix=["ip", "netns", "exec", ns]))
+    (rc0, out0, err0), (rc1, _, err1) = finish(procs, timeout=150)
+    assert rc0 == 0 and rc1 == 0, (err0[-2000:], err1[-2000:])
+    s = read_summary(tmp_path / "host0" / "runs" / "mn")
+    assert (s["world_size"], s["nnodes"], s["steps"]) == (2, 2, 5)
+    assert not (tmp_path / "host1" / "runs").exists()
+
+
+# ---- nodes that cannot form one job -------------------------------------------------------------
+def test_nodes_that_disagree_on_nnodes(tmp_path, corpus_dir, cache_dir):
+    port = free_port()
+    procs = [start(node_args(corpus_dir, cache_dir, 0, port, nnodes=2), tmp_path / "a"),
+             start(node_args(corpus_dir, cache_dir, 1, port, nnodes=3), tmp_path / "b")]
+    for rc, _, err in finish(procs, timeout=60):
+        assert rc == 2
+        assert "distributed.nnodes=" in one_error_line(err) and "disagree" in err
+
+
+def test_two_nodes_with_the_same_node_rank(tmp_path, corpus_dir, cache_dir):
+    port = free_port()
+    procs = [start(node_args(corpus_dir, cache_dir, 0, port, nnodes=3), tmp_path / "a")]
+    time.sleep(1.0)  # node 0 hosts the store; the two node-1s then race for the seat
+    procs += [start(node_args(corpus_dir, cache_dir, 1, port, nnodes=3), tmp_path / x)
+              for x in ("b", "c")]
+    results = finish(procs, timeout=60)
+    for rc, _, err in results:
+        assert rc == 2
+        assert "distributed.node_rank=1 is used by two nodes" in one_error_line(err)
+
+
+def test_a_node_that_never_comes(tmp_path, corpus_dir, cache_dir):
+    """Node 0 alone, and node 1 alone: both give up after distributed.timeout_s and say how many
+    nodes joined."""
+    t0 = time.monotonic()
+    r = run_cli(node_args(corpus_dir, cache_dir, 0, free_port(), **{"distributed.timeout_s": 5}),
+                cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and "1 of 2 nodes joined" in one_error_line(r.stderr)
+    assert "missing node_rank 1" in r.stderr
+    r = run_cli(node_args(corpus_dir, cache_dir, 1, free_port(), **{"distributed.timeout_s": 5}),
+                cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and "could not reach node 0" in one_error_line(r.stderr)
+    assert time.monotonic() - t0 < 50
+
+
+def test_master_port_in_use(tmp_path, corpus_dir, cache_dir):
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_cli(node_args(corpus_dir, cache_dir, 0, port), cwd=tmp_path, timeout=60)
+    assert r.returncode == 2
+    assert f"distributed.master_port={port} is already in use" in one_error_line(r.stderr)
