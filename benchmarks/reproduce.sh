@@ -14,6 +14,7 @@ OUT=${OUT:-benchmarks/results}
 STEPS=${STEPS:-15}
 REPEATS=${REPEATS:-3}
 MAX_LOAD=${MAX_LOAD:-1.0}
+ROWS=${ROWS:-ddp,plain,fsdp,fsdp+ac}
 # the model of the issue: Llama preset medium (~17M parameters at the default vocab 4096), seq
 # 256 (the default), 4 sequences per worker, 2 CPU workers (trainer.devices=auto on 2 cores)
 MODEL=(model.preset=medium trainer.batch_size=4)
@@ -28,7 +29,7 @@ wait_quiet() {
 
 # 1. strategies side by side against the hand-written DDP loop (one interleaved run)
 wait_quiet
-paratrain bench "${MODEL[@]}" --rows ddp,plain,fsdp,fsdp+ac --steps "$STEPS" \
+paratrain bench "${MODEL[@]}" --rows "$ROWS" --steps "$STEPS" \
   --repeats "$REPEATS" --out "$OUT/strategies"
 
 # 2. weak scaling 1 -> 2 workers, one thread per worker

@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -66,8 +66,6 @@ class Bench:
     warmup: int
     repeats: int
     timeout_s: float
-    peak_flops: Optional[float] = None
-    log: Any = field(default=None)
 
 
 # ---- planning --------------------------------------------------------------------------------
@@ -138,9 +136,9 @@ def run_variant(b: Bench, v: Variant, rep: int) -> dict:
     if v.plain:
         out_json = run_dir / "plain.json"
         run_dir.mkdir(parents=True, exist_ok=True)
-        mod = ["-m", "paratrain.plain_ddp", *cfg_args, *common, "--out", str(out_json)]
-        cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
-                                   f"--nproc_per_node={v.world}"] if v.world > 1 else []) + mod
+        # launched the way paratrain launches (elastic_launch, one session): see plain_ddp.py
+        cmd = [sys.executable, "-m", "paratrain.plain_ddp", *cfg_args, *common,
+               "--out", str(out_json), f"--nproc={v.world}"]
         if b.devices[0].type == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.index) for d in b.devices[:v.world])
     else:
@@ -166,13 +164,15 @@ def run_variant(b: Bench, v: Variant, rep: int) -> dict:
                             f"{tail[-1] if tail else 'no output'}; full log: {log_path}")
     if v.plain:
         out = json.loads(out_json.read_text())
-        return {"step_times_s": out["step_times_s"], "memory": out["memory"],
+        return {"step_times_s": out["step_times_s"], "step_cpu_s": out.get("step_cpu_s"),
+                "memory": out["memory"],
                 "strategy": "plain ddp" if v.world > 1 else "plain", "data_wait_s": None,
                 "train_s": sum(out["step_times_s"]), "final_loss": out["final_loss"],
                 "tokens_per_step": out["global_batch_size"] * out["seq_length"]}
     s = json.loads((run_dir / "summary.json").read_text())
     shutil.rmtree(run_dir / "model", ignore_errors=True)  # weights of a timing run: not needed
-    return {"step_times_s": s["step_times_s"], "memory": s["memory"], "strategy": s["strategy"],
+    return {"step_times_s": s["step_times_s"], "step_cpu_s": s.get("step_cpu_s"),
+            "memory": s["memory"], "strategy": s["strategy"],
             "data_wait_s": s.get("data_wait_s"), "train_s": s.get("train_s"),
             "final_loss": s.get("final_loss"), "params": s.get("params"),
             "tokens_per_step": s["global_batch_size"] * s["seq_length"]}
@@ -205,6 +205,7 @@ def summarize(v: Variant, runs: list[dict], warmup: int, flops_per_token: float,
     waits = [r["data_wait_s"] / r["train_s"] for r in runs
              if r["data_wait_s"] is not None and r["train_s"]]
     tps = tokens / med
+    cpu = [c for r in runs for c in (r.get("step_cpu_s") or [])[warmup:]]
     mfu = None
     if on_gpu and peak_flops:
         mfu = flops_per_token * tps / (v.world * peak_flops)
@@ -213,6 +214,9 @@ def summarize(v: Variant, runs: list[dict], warmup: int, flops_per_token: float,
             "steps_per_s": 1.0 / med, "tokens_per_s": tps,
             "step_time_median_s": med, "step_time_p10_s": p10, "step_time_p90_s": p90,
             "step_time_spread": (p90 - p10) / med,
+            # CPU seconds rank 0's process spent per step (all its threads): the work a loop
+            # does, which other jobs on a shared machine disturb far less than the wall time
+            "step_cpu_median_s": statistics.median(cpu) if cpu else None,
             "first_step_s": statistics.median(r["step_times_s"][0] for r in runs),
             "data_wait_fraction": statistics.median(waits) if waits else None,
             "peak_bytes_per_device": peaks,
@@ -237,16 +241,17 @@ def gpu_peak_flops(device: torch.device) -> Optional[float]:
 
 def format_table(rows: list[dict], ref_label: Optional[str]) -> str:
     head = (f"{'row':<10} {'world':>5} {'steps/s':>8} {'tokens/s':>9} {'step ms':>8} "
-            f"{'spread':>7} {'1st step s':>10} {'peak MB/dev':>11} {'max/min':>7} {'MFU':>6} "
-            f"{'vs ' + (ref_label or 'plain'):>9}")
+            f"{'spread':>7} {'cpu ms':>7} {'1st step s':>10} {'peak MB/dev':>11} "
+            f"{'max/min':>7} {'MFU':>6} {'vs ' + (ref_label or 'plain'):>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         ratio = f"{r['vs_plain']:.3f}" if r.get("vs_plain") is not None else "-"
+        cpu = f"{1e3 * r['step_cpu_median_s']:.0f}" if r.get("step_cpu_median_s") else "-"
         lines.append(
             f"{r['label']:<10} {r['world_size']:>5} {r['steps_per_s']:>8.3f} "
             f"{r['tokens_per_s']:>9.0f} {1e3 * r['step_time_median_s']:>8.1f} "
-            f"{'±' + format(50 * r['step_time_spread'], '.1f') + '%':>7} "
+            f"{'±' + format(50 * r['step_time_spread'], '.1f') + '%':>7} {cpu:>7} "
             f"{r['first_step_s']:>10.2f} {max(r['peak_bytes_per_device']) / 2**20:>11.0f} "
             f"{r['memory_imbalance']:>7.2f} {mfu:>6} {ratio:>9}")
     return "\n".join(lines)
@@ -282,13 +287,14 @@ def plot(rows: list[dict], path: Path, title: str) -> Optional[str]:
 
 # ---- the command -----------------------------------------------------------------------------
 def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: bool = False,
-              rows: Optional[Sequence[str]] = None, steps: int = 20, warmup: int = 3, repeats: int = 2,
-              out: Optional[str] = None, timeout_s: float = 3600.0,
+              rows: Optional[Sequence[str]] = None, steps: int = 20, warmup: int = 3,
+              repeats: int = 2, out: Optional[str] = None, timeout_s: float = 3600.0,
               peak_tflops: Optional[float] = None) -> dict:
     """Run the bench and write bench.json (+ bench.png); returns what bench.json holds."""
     from .data import prepare_data
     from .models import flops_per_token, resolve_model_config
-    from .trainer import batch_plan, data_plan
+    from .data import build_dataset
+    from .trainer import batch_plan, steps_per_epoch
 
     if warmup < 1 or steps < 2 or repeats < 1:
         raise ConfigError(f"--warmup={warmup}, --steps={steps}, --repeats={repeats}: need at "
@@ -307,7 +313,8 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
     if cfg.distributed.nnodes > 1:
         raise ConfigError("paratrain bench runs on one node; set distributed.nnodes=1")
     devices = launch.parse_devices(cfg.trainer.devices)
-    batch_plan(cfg.trainer.batch_size, len(devices), cfg.trainer.global_batch_size)
+    _, global_batch = batch_plan(cfg.trainer.batch_size, len(devices),
+                                 cfg.trainer.global_batch_size)
     variants, skipped = plan(cfg, devices, rows, scaling)
     out_dir = Path(out) if out else cfg.run_dir / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -317,7 +324,8 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
 
     # Data once, here: every row then starts from the cache (and a too-small corpus fails now).
     prepared = prepare_data(cfg.data, cfg.cache_dir, log=say)
-    data_plan(cfg, prepared, len(devices))
+    steps_per_epoch(len(build_dataset(prepared, "train", cfg.data)), global_batch,
+                    "data.source", cfg)
     margs = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or
                                  prepared.vocab_size, seq_length=cfg.data.seq_length)
     b = Bench(config_path, list(overrides), cfg, devices, out_dir, steps, warmup, repeats,
@@ -355,7 +363,8 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
                     "peak_flops_per_device": peak, "load_avg_at_end": _loadavg()},
         "method": {"warmup_steps": warmup, "timed_steps_per_run": steps, "repeats": repeats,
                    "order": order, "statistic": "median of per-step wall times after warm-up, "
-                   "pooled over repeats; spread = (p90 - p10) / median"},
+                   "pooled over repeats; spread = (p90 - p10) / median; cpu_vs_plain = the plain "
+                   "loop's median CPU seconds per step (rank 0 process) / this row's"},
         "rows": table, "skipped": skipped, "wall_s": time.perf_counter() - t_all,
     }
     if scaling:
@@ -363,12 +372,15 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
         eff = many["tokens_per_s"] / (many["world_size"] * one["tokens_per_s"])
         report["scaling"] = {"world_sizes": [1, many["world_size"]], "efficiency": eff}
         for r in table:
-            r["vs_plain"] = None
+            r["vs_plain"] = r["cpu_vs_plain"] = None
         ref = None
     else:
         ref = next((r for r in table if r["label"] == PLAIN), None)
         for r in table:
             r["vs_plain"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None
+            r["cpu_vs_plain"] = (ref["step_cpu_median_s"] / r["step_cpu_median_s"]
+                                 if ref and ref["step_cpu_median_s"] and r["step_cpu_median_s"]
+                                 else None)
     text = format_table(table, "1 worker" if scaling else None)
     if scaling:
         text += f"\nweak scaling efficiency 1 -> {table[1]['world_size']} workers: " \

@@ -241,9 +241,10 @@ class Snapshotter:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
         try:
             pending.result()
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise CheckpointError(f"writing a snapshot under {shown(self.store.root)!r} failed: "
                                   f"{first}") from e
@@ -274,12 +275,16 @@ class Snapshotter:
         if env.is_master:
             try:
                 plan = {"candidates": self._candidates()}
-            except ParatrainError as e:
-                plan = {"error": (type(e).__name__, str(e))}
+            except Exception as e:  # told to every rank, or they would wait for rank 0 in vain
+                kind = type(e).__name__ if isinstance(e, ParatrainError) else "CheckpointError"
+                plan = {"error": (kind, str(e) if isinstance(e, ParatrainError) else
+                                  f"cannot read snapshots under {shown(self.store.root)!r}: "
+                                  f"{type(e).__name__}: {e}")}
         plan = env.broadcast_object(plan)
         if "error" in plan:
             kind, msg = plan["error"]
             raise {"ConfigError": ConfigError}.get(kind, CheckpointError)(msg)
+        from torch.distributed.checkpoint.api import CheckpointException
         resumed = None
         failures = []
         for url, marker in plan["candidates"]:
@@ -291,7 +296,8 @@ class Snapshotter:
                     f"{marker.get('global_batch')} to continue it exactly")
             try:
                 self._load(url, marker)
-            except Exception as e:  # DCP raises on every rank alike (it gathers the errors)
+            except (Exception, CheckpointException) as e:  # raised on every rank alike: DCP
+                # gathers the errors of all ranks (CheckpointException is a BaseException)
                 failures.append(url)
                 log(env, f"warning: skipping snapshot {shown(url)}: it cannot be loaded "
                          f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:300]})")

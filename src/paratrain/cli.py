@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from .errors import ParatrainError
@@ -120,6 +119,12 @@ def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(ns: argparse.Namespace) -> int:
+    from .report import write_report
+    print(f"wrote {write_report(ns.run_dir, ns.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="paratrain",
@@ -187,6 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
     ke.add_argument("path")
     ke.add_argument("out")
     ke.set_defaults(func=cmd_checkpoint_export)
+
+    rp = sub.add_parser("report", help="draw report.png for a finished or running run",
+                        description="Loss and validation loss, tokens/s and learning rate "
+                                    "against steps (metrics.jsonl), and memory per rank "
+                                    "(summary.json), as RUN_DIR/report.png.")
+    rp.add_argument("run_dir", help="a run dir (runs/<name>)")
+    rp.add_argument("--out", default=None, help="write here instead of RUN_DIR/report.png")
+    rp.set_defaults(func=cmd_report)
 
     bp = sub.add_parser("bench", help="strategies side by side, against a plain PyTorch loop",
                         description="Time the configured model under each strategy and under a "

@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError
 
-ARCHS = ("llama", "gpt")
+ARCHS = ("llama", "gpt", "hf")
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 FORMATS = ("packed", "padded")
@@ -34,7 +34,8 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str = "llama"
+    arch: str = "llama"  # llama | gpt | hf (a local Hugging Face causal LM at model.path)
+    path: Optional[str] = None  # hf: a directory with config.json (and optionally weights)
     preset: Optional[str] = "small"  # fills the unset sizes below; see models/presets.py
     hidden_size: Optional[int] = None
     num_layers: Optional[int] = None
@@ -118,6 +119,16 @@ class DistributedConfig:
 
 
 @dataclass
+class LogConfig:
+    """Run records besides metrics.jsonl; see loggers.py and report.py."""
+    tensorboard: Optional[bool] = None  # <run dir>/tensorboard/; null: on when installed
+    wandb: bool = False  # Weights & Biases (pip install wandb)
+    mlflow: bool = False  # MLflow (pip install mlflow)
+    project: Optional[str] = None  # wandb project / mlflow experiment (default: paratrain)
+    report: bool = True  # report.png in the run dir at the end (needs matplotlib)
+
+
+@dataclass
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -126,6 +137,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -264,6 +276,13 @@ def validate(cfg: TrainConfig) -> None:
                           "distributed.nnodes > 1")
     if d.max_restarts < 0:
         raise ConfigError(f"distributed.max_restarts={d.max_restarts} must be >= 0")
+    if cfg.model.arch == "hf":
+        p = cfg.model.path
+        if not p or not (Path(p).expanduser() / "config.json").is_file() \
+                and not Path(p).expanduser().is_file():
+            raise ConfigError(f"model.arch=hf needs model.path, a local directory with a "
+                              f"config.json (got {p!r}); nothing is downloaded")
+        return
     # Model shape checks need the preset applied; models.presets does them (ConfigError too).
     from .models.presets import resolve_model_config
     resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,

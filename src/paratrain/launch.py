@@ -326,23 +326,31 @@ def join_nodes(master_addr: str, master_port: int, nnodes: int, node_rank: int, 
     store.set(f"{_NODES}/info/{node_rank}", json.dumps(me))
     infos: dict[int, dict] = {}
     deadline = time.monotonic() + timeout_s
-    while True:
-        if store.check([f"{_NODES}/abort"]):
-            raise ConfigError(store.get(f"{_NODES}/abort").decode())
-        for r in range(nnodes):
-            if r not in infos and store.check([f"{_NODES}/info/{r}"]):
-                infos[r] = json.loads(store.get(f"{_NODES}/info/{r}"))
-                if r != node_rank and (is_host or r == 0):
-                    _compare(node_rank, me, r, infos[r])
-        if len(infos) == nnodes:
-            break
-        if time.monotonic() > deadline:
-            missing = [r for r in range(nnodes) if r not in infos]
-            raise TrainingError(
-                f"rendezvous timed out after {timeout_s:.0f} s: {len(infos)} of {nnodes} nodes "
-                f"joined (missing node_rank {', '.join(map(str, missing))}); start the same "
-                "command on every node, or raise distributed.timeout_s")
-        time.sleep(0.1)
+    try:
+        while True:
+            if store.check([f"{_NODES}/abort"]):
+                raise ConfigError(store.get(f"{_NODES}/abort").decode())
+            for r in range(nnodes):
+                if r not in infos and store.check([f"{_NODES}/info/{r}"]):
+                    infos[r] = json.loads(store.get(f"{_NODES}/info/{r}"))
+                    if r != node_rank and (is_host or r == 0):
+                        _compare(node_rank, me, r, infos[r])
+            if len(infos) == nnodes:
+                break
+            if time.monotonic() > deadline:
+                missing = [r for r in range(nnodes) if r not in infos]
+                raise TrainingError(
+                    f"rendezvous timed out after {timeout_s:.0f} s: {len(infos)} of {nnodes} "
+                    f"nodes joined (missing node_rank {', '.join(map(str, missing))}); start the "
+                    "same command on every node, or raise distributed.timeout_s")
+            time.sleep(0.1)
+    except errors.ParatrainError:
+        if is_host:  # keep the store up a moment: the other nodes read why, then give up too
+            time.sleep(1.0)
+        raise
+    except (RuntimeError, OSError):  # the store closed under us: node 0 gave up first
+        raise TrainingError("node 0 left during the rendezvous (its error says why); start "
+                            "every node with the same settings") from None
     return NodeGroup(store, master_addr, master_port, nnodes, node_rank, nproc,
                      infos[0]["run_id"], timeout_s, rdzv)
 

@@ -66,11 +66,14 @@ def _jsonable(x: Any) -> Any:
 
 class MetricsLog:
     """metrics.jsonl: one JSON object per logged step, appended and flushed line by line so a
-    crashed run keeps every line it logged (a line is one write; a reader never sees half)."""
+    crashed run keeps every line it logged (a line is one write; a reader never sees half).
+    `sinks` (loggers.RunRecords: TensorBoard, W&B, MLflow) get each record too; their owner,
+    train(), closes them, since the memory figures of the summary go there after the loop."""
 
-    def __init__(self, path: Optional[Path]):
+    def __init__(self, path: Optional[Path], sinks: Any = None):
         self.path = path
         self._f = open(path, "a") if path is not None else None
+        self._sinks = sinks
 
     def write(self, record: dict) -> None:
         if self._f is not None:
@@ -78,6 +81,8 @@ class MetricsLog:
                      for k, v in record.items()}
             self._f.write(json.dumps(clean) + "\n")
             self._f.flush()
+        if self._sinks is not None:
+            self._sinks.write(record)
 
     def close(self) -> None:
         if self._f is not None:

@@ -10,6 +10,13 @@ that any difference in speed is the cost (or gain) of paratrain's loop and wrapp
 
 Every step is timed end to end (step end to step end, data loading included), the same way
 paratrain's loop times its steps; rank 0 writes the times and each rank's peak memory to --out.
+
+`--nproc N` (what `paratrain bench` uses) starts the N workers with the engine behind torchrun,
+`elastic_launch`, from Python, exactly as paratrain starts its own. The torchrun command line
+would put every worker in a session of its own, and with Linux's scheduler autogroups
+(/proc/sys/kernel/sched_autogroup_enabled) each session gets its own CPU share: on a machine
+shared with other jobs that alone made torchrun's workers up to 1.6x faster than the same loop
+started in one session, which is a comparison of launch layouts, not of training loops.
 """
 
 from __future__ import annotations
@@ -45,7 +52,20 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     ap.add_argument("--out", required=True, help="where rank 0 writes the timings (JSON)")
+    ap.add_argument("--nproc", type=int, default=0,
+                    help="start this many workers here (elastic_launch) instead of via torchrun")
     ns = ap.parse_args(argv)
+    if ns.nproc > 1 and "RANK" not in os.environ:
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        from . import plain_ddp  # by its module name: `python -m` runs this file as __main__
+        from .launch import free_port
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ns.nproc,
+                              rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                              rdzv_configs={"rank": 0}, run_id="plain", monitor_interval=0.1,
+                              start_method="spawn")
+        elastic_launch(config, plain_ddp.main)(ns.args + ["--out", ns.out])
+        return
     path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     cfg = TrainConfig.from_yaml(path, [a for a in ns.args if "=" in a])
     tr = cfg.trainer
@@ -95,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     # -- the loop --
     step_times, epoch, step = [], 0, 0
     batches = iter(loader)
-    t_last = time.perf_counter()
+    t_last, c_last = time.perf_counter(), time.process_time()
+    cpu_times = []
     while step < tr.max_steps:
         for i in range(accum):
             try:
@@ -125,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.synchronize()
         now = time.perf_counter()
         step_times.append(now - t_last)
-        t_last = now
+        cpu_times.append(time.process_time() - c_last)
+        t_last, c_last = now, time.process_time()
 
     # -- report --
     mem = [{"rank": rank, "device": str(device), "peak_bytes": peak_bytes(device)}]
@@ -134,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_gather_object(everyone, mem[0])
         mem = everyone
     if rank == 0:
-        out = {"step_times_s": step_times, "memory": mem, "world_size": world,
+        out = {"step_times_s": step_times, "step_cpu_s": cpu_times, "memory": mem, "world_size": world,
                "final_loss": loss.item() * accum, "global_batch_size":
                tr.batch_size * world * accum, "seq_length": cfg.data.seq_length}
         with open(ns.out, "w") as f:

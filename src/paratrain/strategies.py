@@ -158,17 +158,31 @@ def no_grad_sync(model: nn.Module) -> Iterator[None]:
 
 
 def _wrap_units(model: nn.Module, wrap: Sequence[type]) -> list[nn.Module]:
+    """The modules FSDP shards one by one: instances of the `wrap` classes if given, else the
+    transformer blocks (ours, or those a Hugging Face model names in `_no_split_modules`)."""
     if wrap:
         return [m for m in model.modules() if isinstance(m, tuple(wrap)) and m is not model]
+    layers = _find_layers(model)
+    return list(layers) if layers is not None else []
+
+
+def _find_layers(model: nn.Module) -> Optional[nn.ModuleList]:
     layers = getattr(model, "layers", None)
-    return list(layers) if isinstance(layers, nn.ModuleList) else []
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    for m in model.modules():  # Hugging Face: model.model.layers, model.transformer.h, ...
+        if isinstance(m, nn.ModuleList) and len(m) and \
+                all(type(b).__name__ in names for b in m):
+            return m
+    return None
 
 
 def _layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ConfigError(f"{type(model).__name__} has no `layers` ModuleList to wrap block by "
-                          "block")
+    layers = _find_layers(model)
+    if layers is None:
+        raise ConfigError(f"{type(model).__name__} has no list of blocks (a `layers` ModuleList) "
+                          "for activation checkpointing or compile to wrap block by block")
     return layers
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .dist import DistEnv
-from .errors import TrainingError
+from .errors import ParatrainError, TrainingError
 
 # Within one step, the order in which a rank passes these; "behind" compares (step, micro, phase).
 PHASES = ("setup", "data", "forward", "backward", "optimizer", "eval")
@@ -293,5 +293,9 @@ class Watchdog:
 
 
 def _is_timeout(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__}: {exc}".lower()
+    """A collective or store operation that gave up waiting (gloo/NCCL/c10d raise RuntimeError
+    subclasses); our own errors already say what is wrong."""
+    if isinstance(exc, ParatrainError) or not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
     return "timed out" in text or "timeout" in text

@@ -6,6 +6,7 @@ Every comparison is against one uninterrupted run of the same configuration (CPU
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -143,6 +144,7 @@ def s3_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "paratrain-key",
@@ -165,8 +167,9 @@ def test_snapshots_on_s3_resume_after_a_kill(tmp_path, ref, corpus_dir, cache_di
     store = snapshot.Store(url)
 
     proc = start_cli(args, tmp_path, env=s3_server)
-    wait_for(lambda: any(s.committed for s in store.snapshots()) and steps_logged(run_dir) >= 10,
-             proc, poll=0.05, what="a committed snapshot on S3")
+    # the local log first: listing the bucket on every poll is slow enough to miss the window
+    wait_for(lambda: steps_logged(run_dir) >= 10 and any(s.committed for s in store.snapshots()),
+             proc, what="a committed snapshot on S3")
     kill_job(proc)
     newest = [s.step for s in store.snapshots() if s.committed][-1]
 

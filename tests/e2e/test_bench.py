@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 ROW_KEYS = {"label", "strategy", "world_size", "runs", "timed_steps", "steps_per_s",
             "tokens_per_s", "step_time_median_s", "step_time_p10_s", "step_time_p90_s",
             "step_time_spread", "first_step_s", "data_wait_fraction", "peak_bytes_per_device",
-            "memory_imbalance", "mfu", "vs_plain"}
+            "memory_imbalance", "mfu", "vs_plain", "step_cpu_median_s", "cpu_vs_plain"}
 
 
 def _bench(tmp_path, corpus_dir, cache_dir, *flags: str, **extra):
@@ -28,16 +28,16 @@ def _bench(tmp_path, corpus_dir, cache_dir, *flags: str, **extra):
 
 
 def test_bench_rows_json_and_chart(tmp_path, corpus_dir, cache_dir):
-    r = _bench(tmp_path, corpus_dir, cache_dir, "--rows", "single,dp,ddp,plain")
+    r = _bench(tmp_path, corpus_dir, cache_dir, "--rows", "dp,ddp,plain")
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "runs" / "b" / "bench"
     report = json.loads((out / "bench.json").read_text())
     assert report["mode"] == "strategies"
-    assert [row["label"] for row in report["rows"]] == ["single", "ddp", "plain"]
+    assert [row["label"] for row in report["rows"]] == ["ddp", "plain"]
     assert [s["label"] for s in report["skipped"]] == ["dp"]
     assert "CUDA" in report["skipped"][0]["reason"]
     # interleaved: every row once per repeat, in row order
-    assert report["method"]["order"] == ["single#0", "ddp#0", "plain#0"]
+    assert report["method"]["order"] == ["ddp#0", "plain#0"]
     for row in report["rows"]:
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
         assert row["timed_steps"] == 3 and row["steps_per_s"] > 0 and row["tokens_per_s"] > 0
@@ -45,8 +45,7 @@ def test_bench_rows_json_and_chart(tmp_path, corpus_dir, cache_dir):
         assert len(row["peak_bytes_per_device"]) == row["world_size"]
         assert row["memory_imbalance"] >= 1.0 and row["mfu"] is None  # no MFU on CPU
     by = {row["label"]: row for row in report["rows"]}
-    assert (by["single"]["world_size"], by["ddp"]["world_size"], by["plain"]["world_size"]) \
-        == (1, 2, 2)
+    assert (by["ddp"]["world_size"], by["plain"]["world_size"]) == (2, 2)
     assert by["ddp"]["strategy"] == "ddp" and by["plain"]["vs_plain"] == 1.0
     assert 0 <= by["ddp"]["data_wait_fraction"] < 1
     # the table on stdout, the chart next to bench.json (matplotlib is in the test extra)

@@ -35,8 +35,11 @@ def trained_run(tmp_path_factory, corpus_dir, cache_dir):
 
 def test_run_dir_holds_what_design_lists(trained_run, corpus_dir):
     cwd, run_dir, r = trained_run
-    assert sorted(p.name for p in run_dir.iterdir()) == \
-        ["config.yaml", "metrics.jsonl", "model", "summary.json"]
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"config.yaml", "metrics.jsonl", "model", "summary.json"} <= names
+    # and nothing else but the run records of the optional loggers
+    assert names - {"config.yaml", "metrics.jsonl", "model", "summary.json"} <= \
+        {"report.png", "tensorboard", "checkpoints"}
     assert sorted(p.name for p in (run_dir / "model").iterdir()) == \
         ["config.json", "model.safetensors", "tokenizer.json"]
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())

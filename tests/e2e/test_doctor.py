@@ -24,7 +24,7 @@ def test_doctor_gloo_two_workers(tmp_path):
                   "all-reduce: 2 rank(s), gloo", "busbw(GB/s)"):
         assert words in out, out
     assert float(BUSBW.search(out).group(1)) > 0
-    assert len(re.findall(r"^\s+\d+\s+\d+\s+float\s+sum", out, re.M)) == 5  # 4 KiB .. 4 MiB
+    assert len(re.findall(r"^\s+\d+\s+\d+\s+float\s+sum", out, re.M)) == 6  # 4 KiB, 16 KiB, .. 4 MiB
 
 
 def test_doctor_across_two_nodes(tmp_path):

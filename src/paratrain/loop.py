@@ -1,0 +1,253 @@
+"""The training loop of one rank: the nanoGPT loop, made exact across world sizes.
+
+- Every global batch is the same set of samples whatever the world size (GlobalSampler).
+- The loss is a token-weighted mean over all ranks and micro-steps: each micro-step backpropagates
+  sum(token losses) * world / (tokens in the global batch), and the data-parallel gradient mean
+  over ranks undoes the `* world`, so the gradient does not depend on how the batch was split.
+- Validation visits every sample exactly once, and every rank runs the same number of batches
+  (a rank out of samples runs a dummy batch that counts nothing), so wrappers that communicate in
+  forward (FSDP) never wait on a rank that has stopped.
+What is trained (model, data, loss) comes in as a task (task.py); how it is spread over devices
+comes in as the wrapped model (strategies.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import checkpoint, loggers, metrics, precision, strategies, watchdog
+from .config import TrainConfig
+from .dist import DistEnv
+
+
+class TrainLoop:
+    """The training loop of one rank; state lives here so a snapshot can save it."""
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
+                 task: Any, accum: int, global_batch: int,
+                 steps_per_epoch: int, total_steps: int, *,
+                 snapshots: Optional[checkpoint.Snapshotter] = None,
+                 resumed: Optional[checkpoint.Resumed] = None):
+        from .data import GlobalSampler
+        self.cfg, self.env, self.model = cfg, env, model
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.task = task
+        self.val_ds = task.val_ds
+        self.accum, self.global_batch = accum, global_batch
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.step = 0
+        self.tokens = 0
+        self.train_s = 0.0
+        self.grads_bytes: Optional[int] = None  # measured once, while gradients exist
+        self.data_wait_s = 0.0  # time the loop waited for batches: should be ~0
+        self.progress = watchdog.Progress()  # where this rank is, for the stalled-rank watchdog
+        self.activation_bytes: Optional[int] = None  # saved for backward by one micro-step
+        # Wall time of every step, end to end (data, step, logging, bar): `paratrain bench`
+        # takes the median after warm-up, which leaves start-up and compilation out.
+        self.step_times: list[float] = []
+        self.step_cpu_times: list[float] = []  # CPU time of this process (all threads) per step
+        self.sampler = GlobalSampler(len(task.train_ds), env.world_size, env.rank, cfg.trainer.seed,
+                                     shuffle=True, drop_last=True, global_batch=global_batch)
+        # per process and micro-step: batch_size, or batch_size x GPUs under nn.DataParallel
+        self.micro_batch = global_batch // (env.world_size * accum)
+        self.fsdp = strategies.is_fsdp(model)
+        # checkpoint.record_samples: a pass-through that notes which samples each step took
+        self.recorder = checkpoint.SampleRecorder(self.sampler) \
+            if cfg.checkpoint.record_samples else None
+        self.loader = _loader(task.train_ds,
+                              self.sampler if self.recorder is None else self.recorder,
+                              self.micro_batch, task.collate, cfg, env)
+        self.snapshots = snapshots
+        self.carry = (0.0, 0.0)  # this rank's loss sum and tokens since the last log line
+        if resumed is not None:
+            self._restore(resumed)
+
+    def _restore(self, resumed: checkpoint.Resumed) -> None:
+        """Continue after optimizer step `resumed.step`. The sampler skips what the steps of
+        this epoch consumed, counted globally, so any world size continues the same order."""
+        self.step = resumed.step
+        epoch, done = divmod(self.step, self.steps_per_epoch)
+        self.sampler.load_state_dict({"epoch": epoch, "seed": self.sampler.seed,
+                                      "position": done * self.global_batch // self.env.world_size})
+        if resumed.rank is not None:
+            self.carry = (resumed.rank["loss_sum"], resumed.rank["count"])
+        elif self.env.is_master:  # another world size: the window's sums move to rank 0
+            ranks = resumed.loop["ranks"]
+            self.carry = (sum(r["loss_sum"] for r in ranks), sum(r["count"] for r in ranks))
+
+    def _snapshot(self, loss_sum: float, count: float) -> None:
+        """The loop's part of a snapshot: where it is (the same on every rank) and this rank's
+        loss sums since the last log line, so the next logged loss comes out the same."""
+        assert self.snapshots is not None
+        epoch, done = divmod(self.step, self.steps_per_epoch)
+        where = {"epoch": epoch, "samples_in_epoch": done * self.global_batch,
+                 "sampler_seed": self.sampler.seed}
+        self.snapshots.save(self.step, where, {"loss_sum": loss_sum, "count": count})
+
+    def _micro_batches(self) -> Iterator[dict]:
+        epoch = self.step // self.steps_per_epoch
+        while True:
+            self.sampler.set_epoch(epoch)
+            yield from self.loader
+            epoch += 1
+
+    def run(self, records: Optional[loggers.RunRecords] = None) -> dict:
+        cfg, env, tr = self.cfg, self.env, self.cfg.trainer
+        mlog = metrics.MetricsLog(cfg.run_dir / "metrics.jsonl" if env.is_master else None,
+                                  sinks=records)
+        bar = metrics.ProgressBar(env, self.total_steps, self.step, tr.progress_bar)
+        window = metrics.Throughput()
+        loss_sum, count = self.carry  # since the last log line, this rank
+        slog = metrics.MetricsLog(cfg.run_dir / "samples.jsonl"
+                                  if env.is_master and self.recorder is not None else None)
+        last: dict = {}
+        batches = self._micro_batches()
+        t0 = t_step = time.perf_counter()
+        c_step = time.process_time()
+        try:
+            while self.step < self.total_steps:
+                t_data = time.perf_counter()
+                self.progress.at(self.step + 1, "data")
+                micro = [next(batches) for _ in range(self.accum)]
+                window.wait(time.perf_counter() - t_data)
+                self.data_wait_s += time.perf_counter() - t_data
+                s, n, grad_norm = self._train_step(micro)
+                loss_sum += s
+                count += n
+                self.step += 1
+                if self.recorder is not None:  # every rank's sample ids of this step
+                    ids = env.gather_objects(self.recorder.pop())
+                    slog.write({"step": self.step, "ids": sorted(i for r in ids for i in r)})
+                window.add(n_tokens := self.global_batch * self.task.tokens_per_sample)
+                self.tokens += n_tokens
+                evaluate = self.step % tr.eval_every == 0 and self.step < self.total_steps
+                if self.step % tr.log_every == 0 or evaluate or self.step == self.total_steps:
+                    loss = env.weighted_mean(loss_sum, count)
+                    loss_sum = count = 0.0
+                    last = {"step": self.step, "epoch": (self.step - 1) // self.steps_per_epoch,
+                            "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                            "grad_norm": grad_norm, **window.report()}
+                    if evaluate:
+                        last["val_loss"] = self.evaluate()
+                    mlog.write(last)
+                    bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}")
+                bar.update(1)
+                if tr.verbose and self.step % self.steps_per_epoch == 0 \
+                        and self.step < self.total_steps:  # the end of an epoch
+                    bar.write("memory after epoch "
+                              f"{self.step // self.steps_per_epoch}:\n" +
+                              metrics.format_memory_table(metrics.gather_memory(
+                                  env, self.model, self.optimizer, self.grads_bytes,
+                                  self.activation_bytes)))
+                if self.snapshots is not None and self.snapshots.due(
+                        self.step, self.steps_per_epoch, self.total_steps):
+                    self._snapshot(loss_sum, count)
+                now = time.perf_counter()
+                self.step_times.append(now - t_step)
+                t_step, c_prev, c_step = now, c_step, time.process_time()
+                self.step_cpu_times.append(c_step - c_prev)
+        finally:
+            self.train_s += time.perf_counter() - t0
+            bar.close()
+            mlog.close()
+            slog.close()
+        return last
+
+    def _train_step(self, micro: list[Any]) -> tuple[float, float, float]:
+        """One optimizer step over `accum` micro-batches; returns this rank's (sum of token
+        losses, tokens) and the global gradient norm before clipping. (For a user's model read
+        "samples" for "tokens".)"""
+        env, model = self.env, self.model
+        per_sample = self.task.units_per_sample
+        if per_sample is not None:  # every sample counts the same: no need to ask the others
+            global_tokens = float(self.global_batch * per_sample)
+        else:  # padded rows: count the real tokens of the whole global batch first
+            global_tokens = float(env.all_reduce_sum([sum(map(self.task.count, micro))])[0])
+        scale = env.world_size / max(global_tokens, 1.0)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        tokens = 0
+        for i, mb in enumerate(micro):
+            sync = i == len(micro) - 1
+            measure = self.activation_bytes is None and i == 0  # once: the first micro-step
+            meter = metrics.SavedTensorMeter(model) if measure else contextlib.nullcontext()
+            with (contextlib.nullcontext() if sync else strategies.no_grad_sync(model)), meter:
+                self.progress.at(self.step + 1, "forward", i)
+                s, n = self._loss(mb)
+                loss = s * scale
+                if measure:
+                    self.activation_bytes = meter.bytes
+                self.progress.at(self.step + 1, "backward", i)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += s.detach().double()
+            tokens += n
+        self.progress.at(self.step + 1, "optimizer")
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+        clip = self.cfg.optim.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        if self.grads_bytes is None:
+            self.grads_bytes = strategies.local_bytes(p.grad for p in model.parameters())
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss_sum), float(tokens), float(norm)
+
+    def _loss(self, mb: Any) -> tuple[torch.Tensor, int]:
+        """(sum of token losses, number of counted tokens) for one micro-batch."""
+        dev = self.env.device
+        amp = precision.autocast(self.cfg.trainer.precision, dev, self.fsdp)
+        return self.task.loss(self.model, mb, dev, amp)
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        """Token-weighted validation loss over every sample once, whatever the world size."""
+        from .data import EvalSampler
+        env, tr, collate = self.env, self.cfg.trainer, self.task.collate
+        self.progress.at(self.step, "eval")
+        n = len(self.val_ds) if self.val_ds is not None else 0
+        if tr.eval_samples is not None:
+            n = min(n, tr.eval_samples)
+        if n == 0:
+            return None
+        mine = list(EvalSampler(n, env.world_size, env.rank))
+        b = self.micro_batch
+        n_batches = math.ceil(math.ceil(n / env.world_size) / b)  # the same on every rank
+        was_training = self.model.training
+        self.model.eval()
+        total = count = 0.0
+        for i in range(n_batches):
+            idx = mine[i * b:(i + 1) * b]
+            if idx:
+                s, c = self._loss(collate([self.val_ds[j] for j in idx]))
+            else:  # out of samples: keep step with the other ranks, count nothing
+                self._loss(collate([self.val_ds[0]]))
+                s, c = 0.0, 0
+            total += float(s)
+            count += c
+        self.model.train(was_training)
+        return env.weighted_mean(total, count)
+
+
+def _loader(ds: Any, sampler: Any, batch_size: int, collate: Any, cfg: TrainConfig,
+            env: DistEnv) -> DataLoader:
+    workers = cfg.data.num_workers
+    # A generator of its own: by default every new iterator draws a seed from the global RNG,
+    # and a resumed run starts its iterator mid-epoch, which would shift dropout's random stream.
+    return DataLoader(ds, batch_size=batch_size, sampler=sampler, drop_last=True,
+                      collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
+                      pin_memory=env.device.type == "cuda",
+                      generator=torch.Generator().manual_seed(cfg.trainer.seed))

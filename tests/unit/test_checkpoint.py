@@ -1,0 +1,248 @@
+"""Snapshots in one process: the on-disk rules (commit marker, sizes, keep_last), loading that
+never unpickles, the Snapshotter's save -> resume round trip (sync and async), export, and the
+run-dir rules for resuming."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from paratrain import checkpoint, snapshot
+from paratrain.checkpoint import Snapshotter
+from paratrain.config import ModelConfig, TrainConfig
+from paratrain.dist import DistEnv
+from paratrain.errors import CheckpointError, ConfigError, RunDirError
+from paratrain.models import build_model
+from paratrain.models.presets import resolve_model_config
+from paratrain.optim import build_optimizer, build_scheduler
+from paratrain.trainer import check_run_dir
+
+ARGS = resolve_model_config(ModelConfig(preset="tiny"), vocab_size=97, seq_length=16)
+
+
+def _cfg(tmp_path, **ck) -> TrainConfig:
+    over = [f"run.dir={tmp_path / 'run'}", "model.preset=tiny"] + \
+        [f"checkpoint.{k}={v}" for k, v in ck.items()]
+    return TrainConfig.from_yaml(None, over)
+
+
+def _parts(cfg: TrainConfig, seed: int = 0):
+    torch.manual_seed(seed)
+    model = build_model(ARGS)
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    sched = build_scheduler(opt, cfg.optim, total_steps=20)
+    return model, opt, sched
+
+
+def _step(model, opt, sched, g: torch.Generator) -> float:
+    idx = torch.randint(0, 97, (2, 16), generator=g)
+    loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.roll(-1, 1).flatten())
+    loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def _snapshotter(cfg, model, opt, sched) -> Snapshotter:
+    return Snapshotter(cfg, DistEnv.single(), model, opt, sched, None, info={
+        "strategy": "single", "precision": "fp32", "model": ARGS.to_dict(), "global_batch": 2,
+        "steps_per_epoch": 100, "total_steps": 20})
+
+
+def _fake_snapshot(root, step: int, committed: bool = True, payload: bytes = b"x" * 10):
+    d = root / snapshot.step_dir(step)
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"meta")
+    (d / "__0_0.distcp").write_bytes(payload)
+    if committed:
+        snapshot.Store(str(root)).commit(str(d), {"step": step})
+    return d
+
+
+# ---- layout ------------------------------------------------------------------------------------
+def test_only_step_folders_with_a_marker_are_committed(tmp_path):
+    root = tmp_path / "ck"
+    _fake_snapshot(root, 4)
+    _fake_snapshot(root, 8, committed=False)
+    (root / "notes").mkdir()
+    (root / "step-12").mkdir()  # too few digits: not ours
+    store = snapshot.Store(str(root))
+    assert [(s.step, s.committed) for s in store.snapshots()] == [(4, True), (8, False)]
+    assert [s.step for s, _ in store.usable()] == [4]
+    marker = json.loads((root / "step-0000004" / snapshot.MARKER).read_text())
+    assert marker["files"] == {".metadata": 4, "__0_0.distcp": 10}  # every file but itself
+
+
+def test_truncated_or_missing_file_or_bad_marker_is_reported_and_skipped(tmp_path):
+    root = tmp_path / "ck"
+    _fake_snapshot(root, 4)
+    (_fake_snapshot(root, 8) / "__0_0.distcp").write_bytes(b"x" * 3)
+    (_fake_snapshot(root, 12) / ".metadata").unlink()
+    (_fake_snapshot(root, 16) / snapshot.MARKER).write_text("{not json")
+    store = snapshot.Store(str(root))
+    assert "__0_0.distcp has 3 bytes, 10 were written" in store.problem(store.url(8))
+    assert ".metadata is missing" in store.problem(store.url(12))
+    assert "not committed" in store.problem(store.url(16))
+    warned = []
+    assert [s.step for s, _ in store.usable(warned.append)] == [4]
+    assert [w.split()[2].rsplit("/", 1)[1] for w in warned] == \
+        ["step-0000016:", "step-0000012:", "step-0000008:"]  # newest first, each named
+
+
+def test_keep_last_prunes_older_committed_and_stale_folders_only(tmp_path):
+    root = tmp_path / "ck"
+    for step in (2, 4, 6):
+        _fake_snapshot(root, step)
+    _fake_snapshot(root, 3, committed=False)  # a writer died here long ago
+    _fake_snapshot(root, 9, committed=False)  # being written right now
+    store = snapshot.Store(str(root))
+    assert sorted(store.prune(keep_last=2)) == [store.url(2), store.url(3)]
+    assert [(s.step, s.committed) for s in store.snapshots()] == [(4, True), (6, True),
+                                                                   (9, False)]
+
+
+def test_loading_never_unpickles_arbitrary_objects(tmp_path):
+    """A non-tensor value in a snapshot is read with torch's weights-only unpickler: an object
+    of an arbitrary class is refused (DCP's own default planner would build it)."""
+    path = str(tmp_path / "evil")
+    dcp.save({"w": torch.ones(2), "x": _Arbitrary()}, checkpoint_id=path, no_dist=True)
+    dst = {"w": torch.zeros(2), "x": None}
+    with pytest.raises(BaseException, match="Weights only load failed|Unsupported"):
+        dcp.load(dst, checkpoint_id=path, planner=snapshot.SafeLoadPlanner(), no_dist=True)
+    ok = {"w": torch.zeros(2)}
+    dcp.load(ok, checkpoint_id=path, planner=snapshot.SafeLoadPlanner(), no_dist=True)
+    assert torch.equal(ok["w"], torch.ones(2))
+
+
+class _Arbitrary:
+    def __reduce__(self):
+        return (pickle.loads, (pickle.dumps("ran"),))
+
+
+# ---- save -> resume ----------------------------------------------------------------------------
+@pytest.mark.parametrize("async_save", [True, False])
+def test_resume_continues_bit_identical(tmp_path, async_save):
+    cfg = _cfg(tmp_path, every_steps=2, async_save=str(async_save).lower())
+    model, opt, sched = _parts(cfg)
+    snaps = _snapshotter(cfg, model, opt, sched)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        _step(model, opt, sched, g)
+    data_state = g.get_state()
+    snaps.save(2, {"epoch": 0}, {"loss_sum": 1.5, "count": 3.0})
+    torch.manual_seed(123)  # the RNG state the snapshot holds
+    expected_rand = torch.rand(3)
+    losses = [_step(model, opt, sched, g) for _ in range(3)]
+    snaps.close()  # async: committed only now at the latest
+    assert snaps.report()["count"] == 1
+
+    model2, opt2, sched2 = _parts(cfg, seed=99)  # different initial weights: all must load
+    resumed = _snapshotter(cfg, model2, opt2, sched2).resume()
+    assert resumed is not None and resumed.step == 2 and resumed.world_size == 1
+    assert resumed.rank["loss_sum"] == 1.5 and resumed.loop["epoch"] == 0
+    assert sched2.last_epoch == 2
+    g.set_state(data_state)
+    assert [_step(model2, opt2, sched2, g) for _ in range(3)] == losses
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), expected_rand)
+
+
+def test_async_snapshot_holds_the_state_at_save_time(tmp_path):
+    """The loop goes on changing the weights in place while the files are written: the
+    snapshot must hold the weights of the step it was taken at."""
+    cfg = _cfg(tmp_path, every_steps=1)
+    model, opt, sched = _parts(cfg)
+    snaps = _snapshotter(cfg, model, opt, sched)
+    snaps.save(1, {}, {"loss_sum": 0.0, "count": 0.0})
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    snaps.close()
+    out = checkpoint.export_snapshot(str(tmp_path / "run" / "checkpoints"),
+                                     tmp_path / "w.safetensors")
+    from safetensors.torch import load_file
+    got = load_file(str(out))
+    for k, v in got.items():
+        assert torch.equal(v, at_save[k]), k
+
+
+def test_export_writes_a_model_folder_load_model_reads(tmp_path):
+    cfg = _cfg(tmp_path, every_steps=1, async_save="false")
+    model, opt, sched = _parts(cfg)
+    _snapshotter(cfg, model, opt, sched).save(1, {}, {"loss_sum": 0.0, "count": 0.0})
+    out = checkpoint.export_snapshot(str(tmp_path / "run"), tmp_path / "exported")
+    loaded, _ = checkpoint.load_model(out)
+    for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_due_every_n_steps_and_at_epoch_ends_never_after_the_last(tmp_path):
+    cfg = _cfg(tmp_path, every_steps=4)
+    snaps = _snapshotter(cfg, *_parts(cfg))
+    assert [s for s in range(1, 21) if snaps.due(s, steps_per_epoch=6, total_steps=20)] == \
+        [4, 6, 8, 12, 16, 18]
+    off = _snapshotter(_cfg(tmp_path, every_steps=0), *_parts(cfg))
+    assert not any(off.due(s, 6, 20) for s in range(1, 21))
+
+
+def test_resume_never_refuses_foreign_snapshots_and_overwrite_replaces_them(tmp_path):
+    cfg = _cfg(tmp_path, every_steps=1, async_save="false")
+    model, opt, sched = _parts(cfg)
+    _snapshotter(cfg, model, opt, sched).save(1, {}, {"loss_sum": 0.0, "count": 0.0})
+    never = _cfg(tmp_path, resume="never")
+    with pytest.raises(CheckpointError, match="already holds snapshots"):
+        _snapshotter(never, model, opt, sched).resume()
+    over = never.with_overrides(["run.overwrite=true"])
+    assert _snapshotter(over, model, opt, sched).resume() is None
+    assert snapshot.Store(snapshot.root_of(cfg)).snapshots() == []
+
+
+def test_another_global_batch_is_refused(tmp_path):
+    cfg = _cfg(tmp_path, every_steps=1, async_save="false")
+    model, opt, sched = _parts(cfg)
+    _snapshotter(cfg, model, opt, sched).save(1, {}, {"loss_sum": 0.0, "count": 0.0})
+    other = _snapshotter(cfg, model, opt, sched)
+    other.info = {**other.info, "global_batch": 4}
+    with pytest.raises(ConfigError, match="trainer.global_batch_size=2"):
+        other.resume()
+
+
+def test_a_named_snapshot_must_be_committed(tmp_path):
+    root = tmp_path / "elsewhere"
+    _fake_snapshot(root, 5, committed=False)
+    cfg = _cfg(tmp_path, resume=str(root / "step-0000005"))
+    with pytest.raises(CheckpointError, match="not committed"):
+        _snapshotter(cfg, *_parts(cfg)).resume()
+
+
+# ---- run dir rules -----------------------------------------------------------------------------
+def test_run_dir_with_an_unfinished_run_and_a_snapshot_is_a_resume(tmp_path):
+    cfg = _cfg(tmp_path)
+    run = cfg.run_dir
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(RunDirError):  # nothing to resume from
+        check_run_dir(cfg)
+    check_run_dir(cfg, attempt=1)  # a restarted worker group continues its own run
+    _fake_snapshot(run / "checkpoints", 4)
+    check_run_dir(cfg)  # resume=auto and a committed snapshot
+    with pytest.raises(RunDirError):
+        check_run_dir(cfg.with_overrides(["checkpoint.resume=never"]))
+    (run / "summary.json").write_text("{}")
+    with pytest.raises(RunDirError):  # a finished run is not continued
+        check_run_dir(cfg)
+
+
+def test_trim_jsonl_drops_steps_beyond_the_resume_point(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)))
+    checkpoint.trim_jsonl(p, 4)
+    assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 2, 3, 4]
