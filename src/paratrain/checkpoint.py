@@ -15,6 +15,7 @@ run that resumes is bit-identical to one that never stopped.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as _dt
 import json
 import shutil
@@ -24,7 +25,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -54,22 +55,15 @@ def full_state_dict(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
     return sd if env.is_master else {}
 
 
-def save_model(out_dir: Path, state_dict: dict[str, torch.Tensor], model_args: dict,
-               tokenizer_path: Optional[Path]) -> Path:
-    """Write `out_dir` atomically (temp folder, then rename). Tied weights are stored once."""
-    from safetensors.torch import save_file
-    out_dir = Path(out_dir)
-    tensors = {k: v.contiguous() for k, v in state_dict.items()}
-    if model_args.get("tie_embeddings"):
-        tensors = _drop_tied(tensors)
+@contextlib.contextmanager
+def atomic_dir(out_dir: Path) -> Iterator[Path]:
+    """Fill a temporary folder next to `out_dir`; on success it replaces `out_dir` by renames,
+    on failure it vanishes. A reader sees the old folder or the new one, never half of one."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; a model is for sharing
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "paratrain"})
-        (tmp / MODEL_CONFIG).write_text(json.dumps(model_args, indent=2) + "\n")
-        if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, tmp / TOKENIZER)
+        yield tmp
         old = out_dir.with_name(f".{out_dir.name}.old")
         if out_dir.exists():
             out_dir.rename(old)
@@ -78,6 +72,21 @@ def save_model(out_dir: Path, state_dict: dict[str, torch.Tensor], model_args: d
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def save_model(out_dir: Path, state_dict: dict[str, torch.Tensor], model_args: dict,
+               tokenizer_path: Optional[Path]) -> Path:
+    """Write `out_dir` atomically. Tied weights are stored once."""
+    from safetensors.torch import save_file
+    out_dir = Path(out_dir)
+    tensors = {k: v.contiguous() for k, v in state_dict.items()}
+    if model_args.get("tie_embeddings"):
+        tensors = _drop_tied(tensors)
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "paratrain"})
+        (tmp / MODEL_CONFIG).write_text(json.dumps(model_args, indent=2) + "\n")
+        if tokenizer_path is not None:
+            shutil.copyfile(tokenizer_path, tmp / TOKENIZER)
     return out_dir
 
 

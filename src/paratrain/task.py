@@ -209,23 +209,14 @@ class UserTask:
 
 
 def save_hf(model: nn.Module, out_dir: Path, state: dict, tokenizer_path: Optional[Path]) -> None:
-    """`save_pretrained` into a temp dir, renamed into place (atomic like every output)."""
+    """A `save_pretrained` folder (safetensors), written atomically like every output."""
     import shutil
-    import tempfile
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+
+    from .checkpoint import TOKENIZER, atomic_dir
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        if out_dir.exists():
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            shutil.copyfile(tokenizer_path, tmp / TOKENIZER)
 
 
 def check_picklable(**objects: Any) -> None:
