@@ -2,6 +2,6 @@
 # Installs paratrain into .venv and runs the whole test suite (unit, distributed, end-to-end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+EXTRAS=test bash scripts/install.sh
 export OMP_NUM_THREADS=1
 exec .venv/bin/python -m pytest "$@"
