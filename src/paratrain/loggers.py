@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from .config import LogConfig, TrainConfig
+from .config import LogConfig, TrainConfig, redact_secrets
 from .dist import DistEnv
 from .errors import ConfigError
 from .metrics import log
@@ -99,7 +99,6 @@ class TensorBoardSink:
 
 class WandbSink:
     def __init__(self, cfg: TrainConfig, run_dir: Path):
-        from .config import redact_secrets
         self._wandb = importlib.import_module("wandb")
         self._run = self._wandb.init(project=cfg.log.project or "paratrain", name=cfg.run.name,
                                      dir=str(run_dir), config=redact_secrets(cfg.to_dict()))
@@ -113,7 +112,6 @@ class WandbSink:
 
 class MlflowSink:
     def __init__(self, cfg: TrainConfig):
-        from .config import redact_secrets
         self._mlflow = importlib.import_module("mlflow")
         self._mlflow.set_experiment(cfg.log.project or "paratrain")
         self._run = self._mlflow.start_run(run_name=cfg.run.name)

@@ -138,9 +138,22 @@ def _memory_panel(ax, summary: Optional[dict]) -> None:
               else "no memory figures in summary.json")
         return
     width = 0.8 / len(MEMORY_BARS)
+    heights = []
     for i, (key, label) in enumerate(MEMORY_BARS):
         xs = [r + (i - (len(MEMORY_BARS) - 1) / 2) * width for r in range(len(memory))]
-        ax.bar(xs, [(m.get(key) or 0) / 2**20 for m in memory], width, label=label)
+        mib = [(m.get(key) or 0) / 2**20 for m in memory]
+        heights += [h for h in mib if h > 0]
+        if key == "peak_bytes" and all(str(m.get("device", "")).startswith("cpu")
+                                       for m in memory):
+            label = "peak (process RSS)"
+        bars = ax.bar(xs, mib, width, label=label)
+        if len(memory) <= 4:  # room for the figures themselves
+            ax.bar_label(bars, fmt="%.3g", fontsize="x-small", padding=1)
+    # On a CPU, peak is the process's resident set (interpreter and libraries included), which
+    # dwarfs a small model's state: a log scale keeps every bar visible.
+    if heights and max(heights) / min(heights) > 50:
+        ax.set_yscale("log")
+        ax.set_ylabel("MiB (log scale)")
     ax.set_xticks(range(len(memory)),
                   [f"rank {m['rank']}\n{m.get('device', '')}" for m in memory])
     ax.grid(axis="y", alpha=0.3)

@@ -1,59 +1,93 @@
-"""Run records people look at: report.png and TensorBoard events, after a 2-worker run."""
+"""Run records as a user sees them: report.png and TensorBoard events after a 2-worker run, and
+`paratrain report RUN_DIR` redrawing it."""
 
 from __future__ import annotations
 
+import os
 import struct
 
 import pytest
 
-from paratrain import cli
-from tests.conftest import read_metrics, run_cli, tiny_overrides
+from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.timeout(300)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from the IHDR chunk, which a valid PNG holds first."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == PNG_MAGIC and head[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", head[16:24])
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, corpus_dir, cache_dir):
+def run(tmp_path_factory, corpus_dir, cache_dir):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tensorboard")
     cwd = tmp_path_factory.mktemp("report")
-    over = tiny_overrides(corpus_dir, cache_dir, **{
-        "run.name": "rec", "trainer.devices": "cpu:2", "trainer.max_steps": 12,
-        "trainer.log_every": 3, "trainer.eval_every": 6, "trainer.eval_samples": 16})
-    r = run_cli(["train"] + over, cwd=cwd, timeout=240)
+    r = run_cli(["train"] + tiny_overrides(corpus_dir, cache_dir, **{
+        "run.name": "rep", "trainer.devices": "cpu:2", "trainer.max_steps": 12,
+        "trainer.log_every": 2, "trainer.eval_every": 6, "trainer.eval_samples": 32}),
+        cwd=cwd, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
-    return cwd / "runs" / "rec"
+    return cwd, cwd / "runs" / "rep"
 
 
-def _png_size(path) -> tuple[int, int]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
-    return struct.unpack(">II", data[16:24])
+def test_report_png_after_a_run(run):
+    _, run_dir = run
+    w, h = png_size(run_dir / "report.png")
+    assert 800 <= w <= 2400 and 500 <= h <= 1600
+    assert (run_dir / "report.png").stat().st_size > 20_000  # four panels drawn, not a blank
+    assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp")]  # atomic: no leftovers
 
 
-def test_report_png_after_a_run(run_dir):
-    w, h = _png_size(run_dir / "report.png")
-    assert w >= 800 and h >= 500
-
-
-def test_tensorboard_events_hold_the_logged_losses(run_dir):
-    acc_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    acc = acc_mod.EventAccumulator(str(run_dir / "tensorboard"))
-    acc.Reload()
-    events = acc.Scalars("train/loss")
+def test_tensorboard_events_match_metrics_jsonl(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _, run_dir = run
+    ea = EventAccumulator(str(run_dir / "tensorboard"))
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "perf/tokens_per_s", "val/loss"} <= tags
     rows = read_metrics(run_dir)
-    assert [e.step for e in events] == [r["step"] for r in rows] == [3, 6, 9, 12]
-    for e, r in zip(events, rows):
-        assert e.value == pytest.approx(r["loss"], rel=1e-6)
-    assert [e.step for e in acc.Scalars("val/loss")] == [6]
+    logged = {e.step: e.value for e in ea.Scalars("train/loss")}
+    assert sorted(logged) == [m["step"] for m in rows] == [2, 4, 6, 8, 10, 12]
+    for m in rows:
+        assert logged[m["step"]] == pytest.approx(m["loss"], rel=1e-6)  # stored as float32
+    val = {e.step: e.value for e in ea.Scalars("val/loss")}
+    assert val == pytest.approx({m["step"]: m["val_loss"] for m in rows if "val_loss" in m})
+    # memory per rank from summary.json, at the last step
+    summary = read_summary(run_dir)
+    for entry in summary["memory"]:
+        tag = f"memory/rank{entry['rank']}/params_mb"
+        [event] = ea.Scalars(tag)
+        assert event.step == 12
+        assert event.value == pytest.approx(entry["params_bytes"] / 2**20, rel=1e-6)
 
 
-def test_report_command_redraws(run_dir, tmp_path):
-    (run_dir / "report.png").unlink()
-    r = run_cli(["report", str(run_dir)], cwd=tmp_path, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert _png_size(run_dir / "report.png")[0] >= 800
+def test_report_command_redraws(run):
+    cwd, run_dir = run
+    png = run_dir / "report.png"
+    png.unlink()
+    r = run_cli(["report", str(run_dir)], cwd=cwd, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "report.png" in r.stdout and png_size(png)[0] >= 800
+    # a running run (no summary.json yet) is drawn too, to another file
+    summary = run_dir / "summary.json"
+    os.rename(summary, run_dir / "summary.bak")
+    try:
+        r = run_cli(["report", str(run_dir), "--out", str(cwd / "live.png")], cwd=cwd, timeout=60)
+    finally:
+        os.rename(run_dir / "summary.bak", summary)
+    assert r.returncode == 0, r.stderr[-2000:]
+    png_size(cwd / "live.png")
 
 
-def test_report_of_a_missing_run_is_exit_2(tmp_path, capsys):
-    assert cli.main(["report", str(tmp_path / "nope")]) == 2
+def test_report_errors_are_one_line(tmp_path, capsys):
+    from paratrain import cli
+    assert cli.main(["report", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist" in err[0]
+    assert cli.main(["report", str(tmp_path)]) == 2  # a folder, but no run in it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no metrics.jsonl" in err[0]
