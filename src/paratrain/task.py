@@ -19,10 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TrainConfig
+from .data.dataset import IGNORE_INDEX  # the pads' targets, skipped by the loss
 from .dist import DistEnv
 from .errors import ConfigError
-
-IGNORE_INDEX = -100
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
