@@ -6,14 +6,13 @@ Same interface as Llama: blocks in `self.layers`, each with `forward(x, mask)`.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .llama import padding_to_attn_mask
+from .llama import check_input, gpt2_init
 from .presets import ModelArgs
 
 
@@ -88,24 +87,12 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02), zero biases, unit LayerNorm gains; the residual projections
         (c_proj) get 1/sqrt(2 * num_layers) of the std so depth does not inflate the stream."""
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() < 2:
-                nn.init.ones_(p)  # LayerNorm gains
-            elif name.endswith("c_proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.args.num_layers))
-            else:
-                nn.init.normal_(p, 0.0, 0.02)
+        gpt2_init(self, self.args.num_layers, residual=("c_proj.weight",))
 
     def forward(self, idx: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, T = idx.shape
-        if T > self.args.max_seq_length:
-            raise ValueError(f"sequence of length {T} exceeds model.max_seq_length="
-                             f"{self.args.max_seq_length}")
-        mask = None if attention_mask is None else padding_to_attn_mask(attention_mask)
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        mask = check_input(idx, attention_mask, self.args.max_seq_length)
+        pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
         x = self.dropout(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.layers:
             x = block(x, mask)  # (B, T, C)

@@ -167,22 +167,37 @@ class Llama(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02); the projections that write into the residual stream get
         1/sqrt(2 * num_layers) of that, so the stream's variance does not grow with depth."""
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                nn.init.ones_(p)  # the RMSNorm gains
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.args.num_layers))
-            else:
-                nn.init.normal_(p, 0.0, 0.02)
+        gpt2_init(self, self.args.num_layers, residual=("wo.weight", "w2.weight"))
 
     def forward(self, idx: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, T = idx.shape
-        if T > self.args.max_seq_length:
-            raise ValueError(f"sequence of length {T} exceeds model.max_seq_length="
-                             f"{self.args.max_seq_length}")
-        mask = None if attention_mask is None else padding_to_attn_mask(attention_mask)
+        mask = check_input(idx, attention_mask, self.args.max_seq_length)
         x = self.dropout(self.tok_embeddings(idx))  # (B, T, C)
         for block in self.layers:
             x = block(x, mask)  # (B, T, C)
         return self.lm_head(self.norm(x))  # (B, T, V)
+
+
+def gpt2_init(model: nn.Module, num_layers: int, residual: tuple[str, ...]) -> None:
+    """GPT-2 init shared by our models: biases 0, norm gains 1, matrices N(0, 0.02), and the
+    projections named in `residual` (they write into the residual stream) 1/sqrt(2 * layers)
+    of that."""
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() < 2:
+            nn.init.ones_(p)
+        elif name.endswith(residual):
+            nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * num_layers))
+        else:
+            nn.init.normal_(p, 0.0, 0.02)
+
+
+def check_input(idx: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                max_seq_length: int) -> Optional[torch.Tensor]:
+    """Refuse sequences longer than the model was built for; the (B, 1, T, T) attention mask
+    for padded rows, or None for the causal fast path."""
+    T = idx.shape[1]
+    if T > max_seq_length:
+        raise ValueError(f"sequence of length {T} exceeds model.max_seq_length={max_seq_length}")
+    return None if attention_mask is None else padding_to_attn_mask(attention_mask)
