@@ -2,14 +2,27 @@
 
     from paratrain import Trainer, TrainConfig
     result = Trainer(TrainConfig.from_yaml("configs/llama-small.yaml")).fit()
+
+The names below are imported on first use, so `paratrain --help` and config errors answer
+without importing torch.
 """
 
-from .checkpoint import load_model
-from .config import TrainConfig
-from .dist import DistEnv
-from .errors import ConfigError, DataError, ParatrainError, RunDirError, TrainingError
-from .trainer import RunResult, Trainer
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import CheckpointError, ConfigError, DataError, ParatrainError, RunDirError, TrainingError
+
+_LAZY = {"Trainer": "trainer", "RunResult": "trainer", "TrainConfig": "config",
+         "DistEnv": "dist", "load_model": "model_io"}
 
 __all__ = ["Trainer", "TrainConfig", "RunResult", "DistEnv", "load_model", "ParatrainError",
-           "ConfigError", "DataError", "RunDirError", "TrainingError"]
+           "ConfigError", "DataError", "RunDirError", "TrainingError", "CheckpointError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

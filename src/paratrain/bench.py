@@ -29,13 +29,19 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import launch, metrics, strategies
+from . import launch
 from .config import TrainConfig
 from .dist import DistEnv
 from .errors import ConfigError, TrainingError
+from .fileio import atomic_write_json
+from .parallel import processes_per_node, resolve_parallelism
+from .plan import candidate_label
 
-ROWS = ("single", "dp", "ddp", "fsdp", "fsdp+ac", "plain")
 PLAIN = "plain"
+# Each row is a memory-plan candidate, named as the plan names it: (trainer.strategy, recompute)
+ROW_REQUESTS = {"single": ("single", False), "dp": ("dp", False), "ddp": ("ddp", False),
+                "fsdp": ("fsdp", False), "fsdp+ac": ("fsdp", True)}
+ROWS = (*ROW_REQUESTS, PLAIN)
 
 # Dense bf16 tensor-core peak per GPU (FLOP/s), from the vendors' data sheets; the first name
 # found in torch.cuda.get_device_name() wins, so longer names come first.
@@ -92,17 +98,19 @@ def plan(cfg: TrainConfig, devices: list[torch.device], rows: Sequence[str], sca
             runs.append(Variant("single", 1, (f"trainer.devices={one}", "trainer.strategy=single"),
                                 cores=cores))
             continue
-        strategy = "fsdp" if row == "fsdp+ac" else row
-        env = DistEnv(world_size=1 if strategy == "dp" else n, device=devices[0])
+        strategy, recompute = ROW_REQUESTS[row]
+        world = processes_per_node(strategy, n)
         try:
-            got, why = strategies.resolve_strategy(strategy, env)
+            got, why = resolve_parallelism(strategy, world_size=world, local_world_size=world,
+                                           device=devices[0])
         except ConfigError as e:
             skipped.append({"label": row, "reason": str(e)})
             continue
-        if got != strategy:
-            skipped.append({"label": row, "reason": f"{strategy} resolves to {got} here ({why})"})
+        if candidate_label(got, recompute) != row:
+            skipped.append({"label": row, "reason": f"{strategy} resolves to {got.label} here "
+                                                    f"({why})"})
             continue
-        extra = ("trainer.activation_checkpointing=true",) if row == "fsdp+ac" else ()
+        extra = ("trainer.activation_checkpointing=true",) if recompute else ()
         # dp is one process driving all n GPUs; the others are n processes
         runs.append(Variant(row, n, (f"trainer.strategy={strategy}",) + extra))
     return runs, skipped
@@ -291,10 +299,9 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
               repeats: int = 2, out: Optional[str] = None, timeout_s: float = 3600.0,
               peak_tflops: Optional[float] = None) -> dict:
     """Run the bench and write bench.json (+ bench.png); returns what bench.json holds."""
-    from .data import prepare_data
-    from .models import flops_per_token, resolve_model_config
-    from .data import build_dataset
-    from .trainer import batch_plan, steps_per_epoch
+    from .models import flops_per_token
+    from .runplan import batch_plan, steps_per_epoch
+    from .task import LMTask
 
     if warmup < 1 or steps < 2 or repeats < 1:
         raise ConfigError(f"--warmup={warmup}, --steps={steps}, --repeats={repeats}: need at "
@@ -323,11 +330,9 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
         print(f"[paratrain] bench: {msg}", file=sys.stderr, flush=True)
 
     # Data once, here: every row then starts from the cache (and a too-small corpus fails now).
-    prepared = prepare_data(cfg.data, cfg.cache_dir, log=say)
-    steps_per_epoch(len(build_dataset(prepared, "train", cfg.data)), global_batch,
-                    "data.source", cfg)
-    margs = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or
-                                 prepared.vocab_size, seq_length=cfg.data.seq_length)
+    task = LMTask.prepare(cfg, DistEnv.single(devices[0]), say)
+    steps_per_epoch(len(task.train_ds), global_batch, task)
+    margs = task.args
     b = Bench(config_path, list(overrides), cfg, devices, out_dir, steps, warmup, repeats,
               timeout_s)
     peak = peak_tflops * 1e12 if peak_tflops else gpu_peak_flops(devices[0])
@@ -397,7 +402,7 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
     report["plot_note"] = note
     report["table"] = text
     report["json"] = str(out_dir / "bench.json")
-    metrics.write_json_atomic(out_dir / "bench.json", report)
+    atomic_write_json(out_dir / "bench.json", report)
     return report
 
 

@@ -26,9 +26,9 @@ def _split_config_args(args: Sequence[str]) -> Tuple[Optional[str], List[str]]:
 
 def cmd_train(ns: argparse.Namespace) -> int:
     from .config import TrainConfig
-    from .trainer import Trainer
     path, overrides = _split_config_args(ns.args)
-    cfg = TrainConfig.from_yaml(path, overrides)
+    cfg = TrainConfig.from_yaml(path, overrides)  # a bad key fails here, before torch loads
+    from .trainer import Trainer
     result = Trainer(cfg).fit()
     if result.is_master:
         print(f"final loss {result.final_loss:.4f}"
@@ -40,7 +40,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 def cmd_generate(ns: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import load_model
+    from .model_io import load_model
     from .models import generate
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(ns.run_dir, device=device)
@@ -97,10 +97,10 @@ def cmd_config_show(ns: argparse.Namespace) -> int:
 def cmd_checkpoint_inspect(ns: argparse.Namespace) -> int:
     import json
 
-    from . import snapshot
-    _, step = snapshot.split(ns.path)
+    from . import snapshot_store
+    _, step = snapshot_store.split(ns.path)
     if step is None:  # a checkpoints folder or a run dir: one line per snapshot
-        rows = snapshot.listing(ns.path)
+        rows = snapshot_store.listing(ns.path)
         if ns.json:
             print(json.dumps(rows, indent=2))
         for r in [] if ns.json else rows:
@@ -108,13 +108,13 @@ def cmd_checkpoint_inspect(ns: argparse.Namespace) -> int:
             print(f"{r['path']}  step {r['step']}  {state}  {r['bytes']:,} bytes"
                   + (f"  unusable: {r['problem']}" if r["committed"] and r["problem"] else ""))
         return 0
-    d = snapshot.describe(ns.path)
-    print(json.dumps(d, indent=2) if ns.json else snapshot.format_description(d))
+    d = snapshot_store.describe(ns.path)
+    print(json.dumps(d, indent=2) if ns.json else snapshot_store.format_description(d))
     return 0
 
 
 def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
-    from .checkpoint import export_snapshot
+    from .snapshot_store import export_snapshot
     print(f"wrote {export_snapshot(ns.path, ns.out)}")
     return 0
 
@@ -123,6 +123,24 @@ def cmd_report(ns: argparse.Namespace) -> int:
     from .report import write_report
     print(f"wrote {write_report(ns.run_dir, ns.out)}")
     return 0
+
+
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    from . import doctor
+    return doctor.run(ns)
+
+
+def _doctor_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", default="auto", help="as trainer.devices (default: auto)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=0,
+                   help="0: a free port (one node only); set it, the same on every node, for more")
+    p.add_argument("--max-mb", type=float, default=64.0, help="largest all-reduce (MiB)")
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="for the rendezvous and each collective (default 60)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,13 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     cs.set_defaults(func=cmd_config_show)
 
-    from . import doctor
     dr = sub.add_parser("doctor", help="environment, devices, master address and an all-reduce",
                         description="Versions, devices, backends, env vars, master address and "
                                     "port; then an all-reduce over the local devices (and nodes "
                                     "with --nnodes) with bus bandwidth as nccl-tests reports it.")
-    doctor.add_arguments(dr)
-    dr.set_defaults(func=doctor.run)
+    _doctor_arguments(dr)
+    dr.set_defaults(func=cmd_doctor)
 
     k = sub.add_parser("checkpoint", help="look into training snapshots, export their weights")
     ksub = k.add_subparsers(dest="checkpoint_command", metavar="ACTION")

@@ -16,8 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError
+from .formatting import first_line
+from .models.presets import ARCHS, resolve_model_config
+from .redact import redact_secrets
 
-ARCHS = ("llama", "gpt", "hf")
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 FORMATS = ("packed", "padded")
@@ -154,7 +156,7 @@ class TrainConfig:
                 loaded = OmegaConf.load(p)
             except Exception as e:  # yaml.YAMLError and friends
                 raise ConfigError(f"config file {str(path)!r} is not valid YAML: "
-                                  f"{_first_line(e)}") from None
+                                  f"{first_line(e)}") from None
             if not isinstance(loaded, DictConfig):
                 raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections "
                                   "(run:, model:, data:, trainer:, ...)")
@@ -167,7 +169,7 @@ class TrainConfig:
             try:
                 layers.append(OmegaConf.from_dotlist(list(overrides)))
             except OmegaConfBaseException as e:
-                raise ConfigError(f"cannot parse overrides: {_first_line(e)}") from None
+                raise ConfigError(f"cannot parse overrides: {first_line(e)}") from None
         return cls.from_layers(*layers)
 
     @classmethod
@@ -212,7 +214,7 @@ class TrainConfig:
 
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no files and no processes. Raises ConfigError naming the key."""
-    _choice("model.arch", cfg.model.arch, ARCHS)
+    _choice("model.arch", cfg.model.arch, ARCHS + ("hf",))
     _choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
     _choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
     _choice("data.format", cfg.data.format, FORMATS)
@@ -284,27 +286,8 @@ def validate(cfg: TrainConfig) -> None:
                               f"config.json (got {p!r}); nothing is downloaded")
         return
     # Model shape checks need the preset applied; models.presets does them (ConfigError too).
-    from .models.presets import resolve_model_config
     resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
                          seq_length=cfg.data.seq_length)
-
-
-# Whole words of a key name: `api_token`, `secret_access_key`, `password` (not `tokenizer`).
-_SECRET = re.compile(r"(^|_)(secret|password|passwd|token|credentials?|access_key|api_key|"
-                     r"private_key|session_key|key_id)($|_)", re.IGNORECASE)
-_URL_CREDS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
-
-
-def redact_secrets(obj: Any) -> Any:
-    """A copy with credential-looking values masked: never write secrets into a run dir."""
-    if isinstance(obj, dict):
-        return {k: ("***" if _SECRET.search(str(k)) and obj[k] not in (None, "")
-                    else redact_secrets(v)) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [redact_secrets(v) for v in obj]
-    if isinstance(obj, str):
-        return _URL_CREDS.sub(r"\g<scheme>***@", obj)
-    return obj
 
 
 def _choice(key: str, value: str, allowed: Sequence[str]) -> None:
@@ -312,14 +295,10 @@ def _choice(key: str, value: str, allowed: Sequence[str]) -> None:
         raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def _omegaconf_message(e: OmegaConfBaseException) -> str:
     """OmegaConf's messages are multi-line; keep the key and the fix on one line."""
     key = getattr(e, "full_key", None) or ""
-    msg = _first_line(e)
+    msg = first_line(e)
     if "not in struct" in msg or "Key '" in msg and "not in" in msg:
         return f"unknown config key {key!r}; run `paratrain config show` to list the keys"
     if "Value '" in msg and ("could not be converted" in msg or "is not a valid" in msg):

@@ -80,11 +80,10 @@ class DistEnv:
                                 store=dist.PrefixStore(f"{self.job_id}/attempt_{self.attempt}", store),
                                 timeout=timeout, **kwargs)
 
-    def teardown(self, *objects_to_drop: Any, barrier: bool = True) -> None:
+    def teardown(self, barrier: bool = True) -> None:
         """Leave the group cleanly. Callers drop their references to wrapped models first:
         a DDP module still alive at destroy_process_group intermittently aborts the process.
         After a failure, `barrier=False`: a peer that stalled would hold us another timeout."""
-        del objects_to_drop
         gc.collect()
         if self.distributed and dist.is_initialized():
             try:
@@ -104,13 +103,6 @@ class DistEnv:
         if self.distributed:
             t = t.to(self.collective_device)
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.cpu()
-
-    def all_reduce_max(self, values: Sequence[float] | torch.Tensor) -> torch.Tensor:
-        t = torch.as_tensor(values, dtype=torch.float64).flatten()
-        if self.distributed:
-            t = t.to(self.collective_device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.cpu()
 
     def weighted_mean(self, total: float, count: float) -> float:

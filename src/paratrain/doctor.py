@@ -22,25 +22,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import launch
+from . import launch, nodes
 from .errors import ParatrainError
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "TORCH_DISTRIBUTED", "TORCH_NCCL", "TORCHELASTIC_",
                 "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "SLURM_JOB_ID", "SLURM_NODELIST",
                 "SLURM_NTASKS", "SLURM_PROCID")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--devices", default="auto", help="as trainer.devices (default: auto)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--master-addr", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, default=0,
-                   help="0: a free port (one node only); set it, the same on every node, for more")
-    p.add_argument("--max-mb", type=float, default=64.0, help="largest all-reduce (MiB)")
-    p.add_argument("--timeout-s", type=float, default=60.0,
-                   help="for the rendezvous and each collective (default 60)")
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -121,7 +108,7 @@ def check_master(addr: str, port: int, node_rank: int, nnodes: int) -> bool:
         return nnodes == 1
     if node_rank == 0:
         try:
-            launch._check_port_free(port)
+            nodes.check_port_free(port)
             item("port", f"{port} is free on this machine (node 0 will listen there)")
         except ParatrainError as e:
             item("port", f"FAILED: {e}")
@@ -139,7 +126,7 @@ def check_master(addr: str, port: int, node_rank: int, nnodes: int) -> bool:
 def allreduce_check(ns: argparse.Namespace, devices: Sequence[torch.device], backend: str,
                     sizes: Sequence[int]) -> list[dict]:
     """All-reduce over local devices (and nodes) in worker processes; the rows of the table."""
-    with launch.join_nodes(ns.master_addr, ns.master_port, ns.nnodes, ns.node_rank,
+    with nodes.join_nodes(ns.master_addr, ns.master_port, ns.nnodes, ns.node_rank,
                            len(devices), ns.timeout_s,
                            config={"doctor": {"backend": backend, "sizes": list(sizes)}}) as g:
         out = g.launch(allreduce_worker, ([str(x) for x in devices], backend, list(sizes),

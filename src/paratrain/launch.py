@@ -1,4 +1,4 @@
-"""From `trainer.devices` and `distributed.*` to running workers.
+"""From `trainer.devices` and the launcher's environment to who this process is.
 
 Three ways a process can find itself training:
 - no launcher around, one device: train in this process;
@@ -6,25 +6,19 @@ Three ways a process can find itself training:
   (`elastic_launch`, the engine behind torchrun) and wait for them;
 - started by torchrun / the elastic agent / Slurm: this process *is* one rank; read who we are
   from the environment once, here, into a DistEnv, and launch nothing.
+How nodes meet and start their workers is nodes.py.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import logging
 import os
 import re
-import signal
 import socket
-import threading
-import time
-import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed
 
 from . import errors
 from .dist import DistEnv
@@ -105,6 +99,12 @@ def default_backend(device: torch.device, requested: str = "auto") -> str:
             raise ConfigError("distributed.backend=nccl needs CUDA devices; use gloo or auto")
         return requested
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
 
 
 # ---- who am I: environments set up by a launcher ---------------------------------------------
@@ -192,281 +192,6 @@ def worker_dist_env(launcher: LauncherEnv, devices_spec: Any, backend: str, time
                    backend=default_backend(device, backend), timeout_s=timeout_s,
                    master_addr=launcher.master_addr, master_port=launcher.master_port,
                    init_method=launcher.init_method, job_id=launcher.job_id)
-
-
-# ---- nodes meet before any worker starts ------------------------------------------------------
-def free_port(addr: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-_NODES = "paratrain/nodes"
-# Keys that may differ between nodes: where each node keeps its files, and which of its devices.
-_PER_NODE_KEYS = ("run.", "data.cache_dir", "trainer.devices", "trainer.progress_bar",
-                  "trainer.verbose", "distributed.node_rank", "distributed.master_addr")
-
-
-@dataclass
-class NodeGroup:
-    """This node's seat in a job of `nnodes` nodes, once every node has checked in.
-
-    Node 0 hosts a TCPStore at master_addr:master_port; the elastic agent's rendezvous opens
-    its store on the same port in the same process (`multi_tenant`), so both share one server.
-    The check-in catches what the agent would only time out on: a node_rank given twice, nodes
-    that disagree on nnodes, devices per node or the config, a node that never comes.
-    """
-    store: Any
-    master_addr: str
-    master_port: int
-    nnodes: int
-    node_rank: int
-    nproc: int
-    run_id: str
-    timeout_s: float
-    rdzv: str = "static"
-
-    def first_then_others(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on node 0, then on the other nodes: a cache in a shared directory is built
-        once and reused by the others; a node with its own directory builds its own copy."""
-        key = f"{_NODES}/{self.run_id}/done/{what}"
-        if self.node_rank == 0:
-            try:
-                out = fn()
-            except BaseException as e:
-                msg = str(e) if isinstance(e, errors.ParatrainError) else type(e).__name__
-                self.store.set(key, "error: " + (msg or "see node 0's log"))
-                raise
-            self.store.set(key, "ok")
-            return out
-        try:
-            self.store.wait([key], _dt.timedelta(days=1))  # node 0 may take long to build
-            status = self.store.get(key).decode()
-        except Exception:  # the store went away: node 0 stopped
-            raise TrainingError(f"node 0 stopped while preparing {what}; see its log") from None
-        if status != "ok":
-            raise TrainingError(f"node 0 failed while preparing {what}: {status[7:]}")
-        return fn()
-
-    def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], *,
-               max_restarts: int = 0) -> dict[int, Any]:
-        """Start `nproc` workers here with the elastic agent; {global rank: return value} of this
-        node's workers. A stall verdict published by a worker wins over the agent's report."""
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-        # The agent logs every state change at INFO/WARNING; our own log says what matters.
-        # A failed worker prints its own traceback, and we raise one line for the job.
-        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-        if self.rdzv == "c10d":  # ranks by arrival; node 0 hosts the store
-            rdzv_conf: dict[str, Any] = {"join_timeout": int(self.timeout_s),
-                                         "last_call_timeout": 1, "is_host": self.node_rank == 0}
-        else:
-            rdzv_conf = {"rank": self.node_rank, "timeout": int(self.timeout_s)}
-        config = LaunchConfig(
-            min_nodes=self.nnodes, max_nodes=self.nnodes, nproc_per_node=self.nproc,
-            run_id=self.run_id, rdzv_endpoint=f"{self.master_addr}:{self.master_port}",
-            rdzv_backend=self.rdzv, rdzv_configs=rdzv_conf, max_restarts=max_restarts,
-            monitor_interval=0.1, start_method="spawn", shutdown_timeout=5)
-        reaper = _Reaper(self.store, self.run_id, self.node_rank)
-        reaper.start()
-        try:
-            return elastic_launch(config, entrypoint)(*args)
-        except ChildFailedError as e:
-            verdict = reaper.verdict() or {}
-            raise (TrainingError(verdict["message"]) if "message" in verdict
-                   else failure_to_error(e)) from None
-        finally:
-            reaper.stop()
-
-    def close(self) -> None:
-        self.store = None  # node 0: the server closes when the last reference goes
-
-    def __enter__(self) -> "NodeGroup":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-def join_nodes(master_addr: str, master_port: int, nnodes: int, node_rank: int, nproc: int,
-               timeout_s: float, config: Optional[Mapping[str, Any]] = None,
-               rdzv: str = "static") -> NodeGroup:
-    """Meet the other nodes (or just open the store, for one node); raise one clear line when
-    they cannot form one job. Bounded by `timeout_s`."""
-    if nnodes == 1 and not master_port:
-        master_port = free_port(master_addr if _is_local(master_addr) else "127.0.0.1")
-    _resolve(master_addr)
-    is_host = node_rank == 0
-    if is_host:
-        _check_port_free(master_port)
-    try:
-        store = torch.distributed.TCPStore(
-            master_addr, master_port, None, is_host, _dt.timedelta(seconds=timeout_s),
-            wait_for_workers=False, multi_tenant=True)
-    except Exception as e:
-        if is_host:
-            raise ConfigError(f"cannot listen on distributed.master_port={master_port}: "
-                              f"{_first_line(e)}") from None
-        raise TrainingError(
-            f"rendezvous timed out after {timeout_s:.0f} s: node {node_rank} could not reach node "
-            f"0 at {master_addr}:{master_port}, so 1 of {nnodes} nodes (this one) joined; start "
-            "node 0 (distributed.node_rank=0) with the same master_addr and master_port, or check "
-            "the address and firewall") from None
-    flat = _flatten(config or {})
-    me = {"host": socket.gethostname(), "nnodes": nnodes, "nproc": nproc,
-          "config": {k: v for k, v in flat.items() if not k.startswith(_PER_NODE_KEYS)},
-          "run_id": f"paratrain-{uuid.uuid4().hex[:8]}" if is_host else None}
-    if store.add(f"{_NODES}/claim/{node_rank}", 1) > 1:
-        msg = (f"distributed.node_rank={node_rank} is used by two nodes; give every node its own "
-               f"node_rank in 0..{nnodes - 1}")
-        store.set(f"{_NODES}/abort", msg)
-        raise ConfigError(msg)
-    store.set(f"{_NODES}/info/{node_rank}", json.dumps(me))
-    infos: dict[int, dict] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            if store.check([f"{_NODES}/abort"]):
-                raise ConfigError(store.get(f"{_NODES}/abort").decode())
-            for r in range(nnodes):
-                if r not in infos and store.check([f"{_NODES}/info/{r}"]):
-                    infos[r] = json.loads(store.get(f"{_NODES}/info/{r}"))
-                    if r != node_rank and (is_host or r == 0):
-                        _compare(node_rank, me, r, infos[r])
-            if len(infos) == nnodes:
-                break
-            if time.monotonic() > deadline:
-                missing = [r for r in range(nnodes) if r not in infos]
-                raise TrainingError(
-                    f"rendezvous timed out after {timeout_s:.0f} s: {len(infos)} of {nnodes} "
-                    f"nodes joined (missing node_rank {', '.join(map(str, missing))}); start the "
-                    "same command on every node, or raise distributed.timeout_s")
-            time.sleep(0.1)
-    except errors.ParatrainError:
-        if is_host:  # keep the store up a moment: the other nodes read why, then give up too
-            time.sleep(1.0)
-        raise
-    except (RuntimeError, OSError):  # the store closed under us: node 0 gave up first
-        raise TrainingError("node 0 left during the rendezvous (its error says why); start "
-                            "every node with the same settings") from None
-    return NodeGroup(store, master_addr, master_port, nnodes, node_rank, nproc,
-                     infos[0]["run_id"], timeout_s, rdzv)
-
-
-def _compare(mine: int, me: dict, other: int, them: dict) -> None:
-    """One line for the first way two nodes disagree (each side reports it)."""
-    def err(what: str) -> ConfigError:
-        return ConfigError(f"node {mine} and node {other} ({them['host']}) disagree: {what}; "
-                           "start every node with the same settings")
-    if me["nnodes"] != them["nnodes"]:
-        raise err(f"distributed.nnodes={me['nnodes']} here, {them['nnodes']} there")
-    if me["nproc"] != them["nproc"]:
-        raise err(f"{me['nproc']} device(s) in trainer.devices here, {them['nproc']} there")
-    keys = sorted(k for k in set(me["config"]) | set(them["config"])
-                  if me["config"].get(k) != them["config"].get(k))
-    if keys:
-        k = keys[0]
-        raise err(f"{k}={me['config'].get(k)!r} here, {them['config'].get(k)!r} there")
-
-
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _resolve(addr: str) -> None:
-    try:
-        socket.getaddrinfo(addr, None)
-    except (socket.gaierror, UnicodeError) as e:
-        raise ConfigError(f"distributed.master_addr={addr!r} does not resolve ({e.args[-1]}); "
-                          "use node 0's IP address or a hostname every node can resolve") from None
-
-
-def _is_local(addr: str) -> bool:
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((addr, 0))
-        return True
-    except OSError:
-        return False
-
-
-def _check_port_free(port: int) -> None:
-    """A port held by another process: say so now, not as an agent timeout later."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            raise ConfigError(f"distributed.master_port={port} is already in use on this machine "
-                              "(another job or process listens there); choose a free port") \
-                from None
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
-class _Reaper:
-    """In the launching process: when a worker has published a stall verdict, kill this node's
-    stalled workers (a SIGSTOPped process ignores the agent's SIGTERM for 30 s, and a node whose
-    only worker is frozen would otherwise wait forever)."""
-
-    def __init__(self, store: Any, run_id: str, node_rank: int, grace_s: float = 3.0):
-        self.store = store.clone() if hasattr(store, "clone") else store
-        self.prefix, self.node_rank, self.grace_s = f"paratrain/{run_id}/", node_rank, grace_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="paratrain-reaper", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def verdict(self) -> Optional[dict]:
-        try:
-            keys = [k for k in (f"{self.prefix}{a}/verdict" for a in range(8))
-                    if self.store.check([k])]
-            return json.loads(self.store.get(keys[-1])) if keys else None
-        except Exception:  # the store is gone: node 0 has left
-            return None
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            v = self.verdict()
-            if not v:
-                continue
-            if self._stop.wait(self.grace_s):
-                return
-            for s in v.get("stalled", []):
-                if s.get("node_rank") == self.node_rank and s.get("pid"):
-                    try:
-                        os.kill(int(s["pid"]), signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-            return
-
-
-def launch_workers(entrypoint: Callable[..., Any], args: Sequence[Any], *, nproc: int,
-                   master_addr: str, master_port: int, nnodes: int = 1, node_rank: int = 0,
-                   max_restarts: int = 0, timeout_s: float = 300.0, rdzv: str = "static",
-                   run_id: Optional[str] = None) -> dict[int, Any]:
-    """Start `nproc` workers on this node and wait; return {global rank: value} of this node's
-    workers. The same call on N nodes (each with its node_rank) forms one job."""
-    with join_nodes(master_addr, master_port, nnodes, node_rank, nproc, timeout_s,
-                    rdzv=rdzv) as nodes:
-        if run_id:
-            nodes.run_id = run_id
-        return nodes.launch(entrypoint, args, max_restarts=max_restarts)
 
 
 def failure_to_error(e: Any) -> errors.ParatrainError:

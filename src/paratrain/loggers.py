@@ -20,10 +20,12 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from .config import LogConfig, TrainConfig, redact_secrets
+from .config import LogConfig, TrainConfig
 from .dist import DistEnv
 from .errors import ConfigError
-from .metrics import log
+from .console import log
+from .formatting import flatten
+from .redact import redact_secrets
 
 TB_DIR = "tensorboard"
 # metrics.jsonl key -> scalar tag; TensorBoard groups tags by the part before the slash
@@ -115,7 +117,8 @@ class MlflowSink:
         self._mlflow = importlib.import_module("mlflow")
         self._mlflow.set_experiment(cfg.log.project or "paratrain")
         self._run = self._mlflow.start_run(run_name=cfg.run.name)
-        self._mlflow.log_params(_flatten(redact_secrets(cfg.to_dict())))
+        self._mlflow.log_params({k: str(v)[:500] for k, v in
+                                 flatten(redact_secrets(cfg.to_dict())).items()})
 
     def write(self, step: int, values: dict[str, float]) -> None:
         # MLflow metric names may not hold every character TensorBoard tags do
@@ -123,16 +126,6 @@ class MlflowSink:
 
     def close(self) -> None:
         self._mlflow.end_run()
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = str(v)[:500]
-    return out
 
 
 class RunRecords:

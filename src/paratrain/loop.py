@@ -7,8 +7,9 @@
 - Validation visits every sample exactly once, and every rank runs the same number of batches
   (a rank out of samples runs a dummy batch that counts nothing), so wrappers that communicate in
   forward (FSDP) never wait on a rank that has stopped.
-What is trained (model, data, loss) comes in as a task (task.py); how it is spread over devices
-comes in as the wrapped model (strategies.py).
+What is trained (model, data, loss) comes in as a task (task.py); how it is spread over devices,
+the batch plan and the number of steps come in as the run plan (runplan.py), decided before the
+workers started: the loop derives none of them.
 """
 
 from __future__ import annotations
@@ -22,29 +23,33 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import checkpoint, loggers, metrics, precision, strategies, watchdog
+from . import loggers, watchdog
 from .config import TrainConfig
+from .console import ProgressBar
+from .data.sampler import EvalSampler, GlobalSampler, SampleRecorder
 from .dist import DistEnv
+from .memory import SavedTensorMeter, format_memory_table, gather_memory, local_bytes
+from .metrics import MetricsLog, Throughput
+from .runplan import RunPlan
+from .snapshotter import Resumed, Snapshotter
+from .task import Task
 
 
 class TrainLoop:
     """The training loop of one rank; state lives here so a snapshot can save it."""
 
-    def __init__(self, cfg: TrainConfig, env: DistEnv, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
-                 task: Any, accum: int, global_batch: int,
-                 steps_per_epoch: int, total_steps: int, *,
-                 snapshots: Optional[checkpoint.Snapshotter] = None,
-                 resumed: Optional[checkpoint.Resumed] = None):
-        from .data import GlobalSampler
-        self.cfg, self.env, self.model = cfg, env, model
+    def __init__(self, plan: RunPlan, env: DistEnv, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, task: Task, *,
+                 snapshots: Optional[Snapshotter] = None, resumed: Optional[Resumed] = None):
+        cfg = plan.cfg
+        self.plan, self.cfg, self.env, self.model = plan, cfg, env, model
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.task = task
         self.val_ds = task.val_ds
-        self.accum, self.global_batch = accum, global_batch
-        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.accum, self.global_batch = plan.accum, plan.global_batch
+        self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
         self.step = 0
-        self.tokens = 0
+        self.tokens = 0  # loss units (tokens the loss saw; samples for a user's model)
         self.train_s = 0.0
         self.grads_bytes: Optional[int] = None  # measured once, while gradients exist
         self.data_wait_s = 0.0  # time the loop waited for batches: should be ~0
@@ -55,22 +60,20 @@ class TrainLoop:
         self.step_times: list[float] = []
         self.step_cpu_times: list[float] = []  # CPU time of this process (all threads) per step
         self.sampler = GlobalSampler(len(task.train_ds), env.world_size, env.rank, cfg.trainer.seed,
-                                     shuffle=True, drop_last=True, global_batch=global_batch)
-        # per process and micro-step: batch_size, or batch_size x GPUs under nn.DataParallel
-        self.micro_batch = global_batch // (env.world_size * accum)
-        self.fsdp = strategies.is_fsdp(model)
+                                     shuffle=True, drop_last=True, global_batch=plan.global_batch)
+        self.micro_batch = plan.micro_batch
         # checkpoint.record_samples: a pass-through that notes which samples each step took
-        self.recorder = checkpoint.SampleRecorder(self.sampler) \
+        self.recorder = SampleRecorder(self.sampler) \
             if cfg.checkpoint.record_samples else None
         self.loader = _loader(task.train_ds,
                               self.sampler if self.recorder is None else self.recorder,
                               self.micro_batch, task.collate, cfg, env)
         self.snapshots = snapshots
-        self.carry = (0.0, 0.0)  # this rank's loss sum and tokens since the last log line
+        self.pending_loss = (0.0, 0.0)  # this rank's loss sum and units since the last log line
         if resumed is not None:
             self._restore(resumed)
 
-    def _restore(self, resumed: checkpoint.Resumed) -> None:
+    def _restore(self, resumed: Resumed) -> None:
         """Continue after optimizer step `resumed.step`. The sampler skips what the steps of
         this epoch consumed, counted globally, so any world size continues the same order."""
         self.step = resumed.step
@@ -78,19 +81,11 @@ class TrainLoop:
         self.sampler.load_state_dict({"epoch": epoch, "seed": self.sampler.seed,
                                       "position": done * self.global_batch // self.env.world_size})
         if resumed.rank is not None:
-            self.carry = (resumed.rank["loss_sum"], resumed.rank["count"])
+            self.pending_loss = (resumed.rank["loss_sum"], resumed.rank["count"])
         elif self.env.is_master:  # another world size: the window's sums move to rank 0
             ranks = resumed.loop["ranks"]
-            self.carry = (sum(r["loss_sum"] for r in ranks), sum(r["count"] for r in ranks))
-
-    def _snapshot(self, loss_sum: float, count: float) -> None:
-        """The loop's part of a snapshot: where it is (the same on every rank) and this rank's
-        loss sums since the last log line, so the next logged loss comes out the same."""
-        assert self.snapshots is not None
-        epoch, done = divmod(self.step, self.steps_per_epoch)
-        where = {"epoch": epoch, "samples_in_epoch": done * self.global_batch,
-                 "sampler_seed": self.sampler.seed}
-        self.snapshots.save(self.step, where, {"loss_sum": loss_sum, "count": count})
+            self.pending_loss = (sum(r["loss_sum"] for r in ranks),
+                                 sum(r["count"] for r in ranks))
 
     def _micro_batches(self) -> Iterator[dict]:
         epoch = self.step // self.steps_per_epoch
@@ -101,12 +96,11 @@ class TrainLoop:
 
     def run(self, records: Optional[loggers.RunRecords] = None) -> dict:
         cfg, env, tr = self.cfg, self.env, self.cfg.trainer
-        mlog = metrics.MetricsLog(cfg.run_dir / "metrics.jsonl" if env.is_master else None,
-                                  sinks=records)
-        bar = metrics.ProgressBar(env, self.total_steps, self.step, tr.progress_bar)
-        window = metrics.Throughput()
-        loss_sum, count = self.carry  # since the last log line, this rank
-        slog = metrics.MetricsLog(cfg.run_dir / "samples.jsonl"
+        mlog = MetricsLog(cfg.run_dir / "metrics.jsonl" if env.is_master else None, sinks=records)
+        bar = ProgressBar(env, self.total_steps, self.step, tr.progress_bar)
+        window = Throughput()
+        loss_sum, count = self.pending_loss  # since the last log line, this rank
+        slog = MetricsLog(cfg.run_dir / "samples.jsonl"
                                   if env.is_master and self.recorder is not None else None)
         last: dict = {}
         batches = self._micro_batches()
@@ -119,15 +113,15 @@ class TrainLoop:
                 micro = [next(batches) for _ in range(self.accum)]
                 window.wait(time.perf_counter() - t_data)
                 self.data_wait_s += time.perf_counter() - t_data
-                s, n, grad_norm = self._train_step(micro)
+                s, n, grad_norm, step_units = self._train_step(micro)
                 loss_sum += s
                 count += n
                 self.step += 1
                 if self.recorder is not None:  # every rank's sample ids of this step
                     ids = env.gather_objects(self.recorder.pop())
                     slog.write({"step": self.step, "ids": sorted(i for r in ids for i in r)})
-                window.add(n_tokens := self.global_batch * self.task.tokens_per_sample)
-                self.tokens += n_tokens
+                window.add(step_units)
+                self.tokens += step_units
                 evaluate = self.step % tr.eval_every == 0 and self.step < self.total_steps
                 if self.step % tr.log_every == 0 or evaluate or self.step == self.total_steps:
                     loss = env.weighted_mean(loss_sum, count)
@@ -144,12 +138,13 @@ class TrainLoop:
                         and self.step < self.total_steps:  # the end of an epoch
                     bar.write("memory after epoch "
                               f"{self.step // self.steps_per_epoch}:\n" +
-                              metrics.format_memory_table(metrics.gather_memory(
+                              format_memory_table(gather_memory(
                                   env, self.model, self.optimizer, self.grads_bytes,
                                   self.activation_bytes)))
-                if self.snapshots is not None and self.snapshots.due(
-                        self.step, self.steps_per_epoch, self.total_steps):
-                    self._snapshot(loss_sum, count)
+                if self.snapshots is not None and self.snapshots.should_save(self.step):
+                    # this rank's loss sums since the last log line: the next logged loss
+                    # comes out the same after a resume
+                    self.snapshots.save(self.step, {"loss_sum": loss_sum, "count": count})
                 now = time.perf_counter()
                 self.step_times.append(now - t_step)
                 t_step, c_prev, c_step = now, c_step, time.process_time()
@@ -161,24 +156,24 @@ class TrainLoop:
             slog.close()
         return last
 
-    def _train_step(self, micro: list[Any]) -> tuple[float, float, float]:
-        """One optimizer step over `accum` micro-batches; returns this rank's (sum of token
-        losses, tokens) and the global gradient norm before clipping. (For a user's model read
-        "samples" for "tokens".)"""
-        env, model = self.env, self.model
+    def _train_step(self, micro: list[Any]) -> tuple[float, float, float, float]:
+        """One optimizer step over `accum` micro-batches; returns this rank's (sum of losses,
+        loss units), the global gradient norm before clipping and the loss units of the whole
+        global batch."""
+        env, model, parallelism = self.env, self.model, self.plan.parallelism
         per_sample = self.task.units_per_sample
         if per_sample is not None:  # every sample counts the same: no need to ask the others
-            global_tokens = float(self.global_batch * per_sample)
+            global_units = float(self.global_batch * per_sample)
         else:  # padded rows: count the real tokens of the whole global batch first
-            global_tokens = float(env.all_reduce_sum([sum(map(self.task.count, micro))])[0])
-        scale = env.world_size / max(global_tokens, 1.0)
+            global_units = float(env.all_reduce_sum([sum(map(self.task.count_units, micro))])[0])
+        scale = env.world_size / max(global_units, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         tokens = 0
         for i, mb in enumerate(micro):
             sync = i == len(micro) - 1
             measure = self.activation_bytes is None and i == 0  # once: the first micro-step
-            meter = metrics.SavedTensorMeter(model) if measure else contextlib.nullcontext()
-            with (contextlib.nullcontext() if sync else strategies.no_grad_sync(model)), meter:
+            meter = SavedTensorMeter(model) if measure else contextlib.nullcontext()
+            with (contextlib.nullcontext() if sync else parallelism.no_sync(model)), meter:
                 self.progress.at(self.step + 1, "forward", i)
                 s, n = self._loss(mb)
                 loss = s * scale
@@ -202,20 +197,19 @@ class TrainLoop:
             self.optimizer.step()
         self.scheduler.step()
         if self.grads_bytes is None:
-            self.grads_bytes = strategies.local_bytes(p.grad for p in model.parameters())
+            self.grads_bytes = local_bytes(p.grad for p in model.parameters())
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss_sum), float(tokens), float(norm)
+        return float(loss_sum), float(tokens), float(norm), global_units
 
     def _loss(self, mb: Any) -> tuple[torch.Tensor, int]:
         """(sum of token losses, number of counted tokens) for one micro-batch."""
         dev = self.env.device
-        amp = precision.autocast(self.cfg.trainer.precision, dev, self.fsdp)
+        amp = self.plan.parallelism.autocast(self.plan.precision, dev)
         return self.task.loss(self.model, mb, dev, amp)
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
         """Token-weighted validation loss over every sample once, whatever the world size."""
-        from .data import EvalSampler
         env, tr, collate = self.env, self.cfg.trainer, self.task.collate
         self.progress.at(self.step, "eval")
         n = len(self.val_ds) if self.val_ds is not None else 0

@@ -10,14 +10,15 @@ the micro-batch. That keeps the plan right for any architecture, ours or a user'
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
 from torch import nn
 
-from .metrics import SavedTensorMeter
+from .formatting import human_bytes
+from .memory import SavedTensorMeter
+from .parallel import DDP, FSDP, Parallelism
 
 PARAM_BYTES = {"fp32": 4, "bf16-mixed": 4, "fp16-mixed": 4, "bf16-true": 2}
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.bfloat16, "bf16-true": None}
@@ -26,7 +27,10 @@ MARGIN = 0.8  # plan to use at most this fraction of a device
 
 @dataclass(frozen=True)
 class Estimate:
-    strategy: str  # single | ddp | fsdp | fsdp+ac | fsdp+offload
+    """One row of the plan: a parallelism (and whether blocks are recomputed) and its bytes on
+    rank 0, the fullest."""
+    parallelism: Parallelism
+    activation_checkpointing: bool
     params_bytes: int
     grads_bytes: int
     optimizer_bytes: int
@@ -34,36 +38,51 @@ class Estimate:
     device_bytes: int  # what must fit on the device at the peak of a step
 
     @property
+    def label(self) -> str:
+        return candidate_label(self.parallelism, self.activation_checkpointing)
+
+    @property
     def state_bytes(self) -> int:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "state_bytes": self.state_bytes}
+        return {"strategy": self.label, "params_bytes": self.params_bytes,
+                "grads_bytes": self.grads_bytes, "optimizer_bytes": self.optimizer_bytes,
+                "activation_bytes": self.activation_bytes, "device_bytes": self.device_bytes,
+                "state_bytes": self.state_bytes}
 
 
-def shard_numel(shape: torch.Size, world: int, rank: int = 0) -> int:
-    """Elements FSDP2 gives `rank` of a parameter of this shape (rank 0 holds the most)."""
-    if not shape:
-        return 1 if rank == 0 else 0
-    rows = shape[0]
-    per = math.ceil(rows / world)
-    mine = max(0, min(per, rows - rank * per))
-    return mine * math.prod(shape[1:])
+@dataclass(frozen=True)
+class Choice:
+    """What `auto` picked from the plan, and why (logged and in summary.json)."""
+    parallelism: Parallelism
+    activation_checkpointing: bool
+    why: str
+
+    @property
+    def label(self) -> str:
+        return candidate_label(self.parallelism, self.activation_checkpointing)
 
 
-def state_bytes(params: List[torch.Size], world: int, precision: str,
-                sharded: bool) -> tuple[int, int, int]:
+def candidate_label(parallelism: Parallelism, activation_checkpointing: bool) -> str:
+    """ddp, fsdp, fsdp+ac, fsdp+offload (offloading implies recomputing)."""
+    recompute = activation_checkpointing and not parallelism.offloads_to_host
+    return parallelism.label + ("+ac" if recompute else "")
+
+
+def state_bytes(params: List[torch.Size], parallelism: Parallelism, world: int,
+                precision: str) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes on rank 0. AdamW keeps two moments per element in the
     parameter's dtype plus a 4-byte step counter per tensor."""
     width = PARAM_BYTES[precision]
-    numel = sum(shard_numel(s, world) if sharded else math.prod(s) for s in params)
+    numel = sum(parallelism.state_numel(s, world) for s in params)
     return numel * width, numel * width, 2 * numel * width + 4 * len(params)
 
 
 def activation_bytes_per_sample(factory: Callable[[], nn.Module], seq_length: int,
                                 vocab_size: int, precision: str, checkpointing: bool) -> int:
     """Bytes saved for backward by one sample's forward (and loss), measured on the CPU."""
-    from .strategies import apply_activation_checkpointing
+    from .parallel import apply_activation_checkpointing
     torch.manual_seed(0)
     model = factory()
     if precision == "bf16-true":
@@ -80,8 +99,10 @@ def activation_bytes_per_sample(factory: Callable[[], nn.Module], seq_length: in
 
 
 def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, micro_batch: int,
-             seq_length: int, vocab_size: int) -> List[Estimate]:
-    """Every strategy's bytes per device at this world size (rank 0, the fullest)."""
+             seq_length: int, vocab_size: int, reshard_after_forward: bool = True
+             ) -> List[Estimate]:
+    """Every candidate's bytes per device at this world size (rank 0, the fullest), in order of
+    speed: replicate, shard, shard and recompute, shard and offload."""
     with torch.device("meta"):
         meta = factory()
     shapes = [p.shape for p in meta.parameters()]
@@ -92,29 +113,32 @@ def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, mi
                                                     checkpointing=False)
     act_ac = micro_batch * activation_bytes_per_sample(factory, seq_length, vocab_size,
                                                        precision, checkpointing=True)
-    width = PARAM_BYTES[precision]
-    gathered = 2 * biggest_block * width  # FSDP: this block's and the prefetched one's full params
-    rows = []
-    full = state_bytes(shapes, world, precision, sharded=False)
-    shard = state_bytes(shapes, world, precision, sharded=True)
-    rows.append(Estimate("single" if world == 1 else "ddp", *full, act, sum(full) + act))
+    gathered = 2 * biggest_block * PARAM_BYTES[precision]  # FSDP: this block's and the next's
+    replicated = Parallelism() if world == 1 else DDP()
+    full = state_bytes(shapes, replicated, world, precision)
+    rows = [Estimate(replicated, False, *full, act, sum(full) + act)]
     if world > 1:
-        rows.append(Estimate("fsdp", *shard, act, sum(shard) + act + gathered))
-        rows.append(Estimate("fsdp+ac", *shard, act_ac, sum(shard) + act_ac + gathered))
-        rows.append(Estimate("fsdp+offload", *shard, act_ac, act_ac + gathered))
+        fsdp = FSDP(reshard_after_forward=reshard_after_forward)
+        shard = state_bytes(shapes, fsdp, world, precision)
+        rows.append(Estimate(fsdp, False, *shard, act, sum(shard) + act + gathered))
+        rows.append(Estimate(fsdp, True, *shard, act_ac, sum(shard) + act_ac + gathered))
+        rows.append(Estimate(FSDP(cpu_offload=True, reshard_after_forward=reshard_after_forward),
+                             True, *shard, act_ac, act_ac + gathered))
     return rows
 
 
-def choose(rows: List[Estimate], capacity: int) -> tuple[str, str]:
-    """The first strategy, in order of speed, whose peak fits in MARGIN of the device."""
+def choose(rows: List[Estimate], capacity: int) -> Choice:
+    """The first candidate, in order of speed, whose peak fits in MARGIN of the device."""
     budget = int(capacity * MARGIN)
     for r in rows:
         if r.device_bytes <= budget:
-            return r.strategy, (f"auto: {r.strategy} needs {_gb(r.device_bytes)} of "
-                                f"{_gb(capacity)} per device")
+            return Choice(r.parallelism, r.activation_checkpointing,
+                          f"auto: {r.label} needs {human_bytes(r.device_bytes)} of "
+                          f"{human_bytes(capacity)} per device")
     last = rows[-1]
-    return last.strategy, (f"auto: nothing fits in {_gb(capacity)} per device (smallest: "
-                           f"{last.strategy} at {_gb(last.device_bytes)}); trying {last.strategy}")
+    return Choice(last.parallelism, last.activation_checkpointing,
+                  f"auto: nothing fits in {human_bytes(capacity)} per device (smallest: "
+                  f"{last.label} at {human_bytes(last.device_bytes)}); trying {last.label}")
 
 
 def device_capacity(device: torch.device, local_workers: int) -> int:
@@ -130,27 +154,24 @@ def device_capacity(device: torch.device, local_workers: int) -> int:
     return avail // max(1, local_workers)
 
 
-def format_plan(rows: List[Estimate], capacity: int, pick: tuple[str, str]) -> str:
+def format_plan(rows: List[Estimate], capacity: int, pick: Choice) -> str:
     head = (f"{'strategy':<14}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}"
             f"{'per device':>12}  fits")
     lines = [head]
     for r in rows:
         fits = "yes" if r.device_bytes <= capacity * MARGIN else "no"
-        lines.append(f"{r.strategy:<14}{_gb(r.params_bytes):>10}{_gb(r.grads_bytes):>10}"
-                     f"{_gb(r.optimizer_bytes):>11}{_gb(r.activation_bytes):>13}"
-                     f"{_gb(r.device_bytes):>12}  {fits}")
-    lines.append(f"device capacity {_gb(capacity)} (planning to {int(MARGIN * 100)}%); "
-                 f"auto picks {pick[0]} ({pick[1]})")
+        lines.append(f"{r.label:<14}{human_bytes(r.params_bytes):>10}"
+                     f"{human_bytes(r.grads_bytes):>10}{human_bytes(r.optimizer_bytes):>11}"
+                     f"{human_bytes(r.activation_bytes):>13}{human_bytes(r.device_bytes):>12}"
+                     f"  {fits}")
+    lines.append(f"device capacity {human_bytes(capacity)} (planning to {int(MARGIN * 100)}%); "
+                 f"auto picks {pick.label} ({pick.why})")
     return "\n".join(lines)
 
 
-def _gb(n: int) -> str:
-    return f"{n / 2**30:.2f}G" if n >= 2**30 else f"{n / 2**20:.1f}M"
-
-
 def plan_for_config(cfg, world: Optional[int] = None, device: Optional[torch.device] = None,
-                    local_workers: Optional[int] = None):
-    """(rows, capacity, pick) for a TrainConfig: what `paratrain plan` prints."""
+                    local_workers: Optional[int] = None) -> tuple[List[Estimate], int, Choice]:
+    """(rows, capacity, pick) for a TrainConfig's own model: what `paratrain plan` prints."""
     from .launch import parse_devices
     from .models import build_model, resolve_model_config
     devices = parse_devices(cfg.trainer.devices)
@@ -159,6 +180,6 @@ def plan_for_config(cfg, world: Optional[int] = None, device: Optional[torch.dev
     args = resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
     rows = estimate(lambda: build_model(args), world=world, precision=cfg.trainer.precision,
                     micro_batch=cfg.trainer.batch_size, seq_length=cfg.data.seq_length,
-                    vocab_size=vocab)
+                    vocab_size=vocab, reshard_after_forward=cfg.trainer.reshard_after_forward)
     capacity = device_capacity(device or devices[0], local_workers or len(devices))
     return rows, capacity, choose(rows, capacity)

@@ -1,9 +1,9 @@
-"""`trainer.precision`: which dtype the matmuls run in, and the gradient scaler fp16 needs."""
+"""`trainer.precision`: which dtype the matmuls run in. How a parallelism applies it (autocast, or
+FSDP's own mixed-precision policy) and which gradient scaler it needs live in parallel.py."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, ContextManager, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -28,25 +28,7 @@ def prepare_model(model: nn.Module, precision: str) -> nn.Module:
     return model
 
 
-def fsdp_param_dtype(precision: str) -> Optional[torch.dtype]:
-    """Under FSDP, mixed precision is FSDP's own policy (parameters all-gathered in half
-    precision), not autocast."""
+def mixed_dtype(precision: str) -> Optional[torch.dtype]:
+    """The half-precision dtype of the mixed precisions (autocast's, or FSDP's parameter dtype);
+    None for fp32 and bf16-true."""
     return _DTYPES[precision] if precision in ("bf16-mixed", "fp16-mixed") else None
-
-
-def autocast(precision: str, device: torch.device, fsdp: bool = False) -> ContextManager:
-    if precision in ("bf16-mixed", "fp16-mixed") and not fsdp:
-        return torch.autocast(device_type=device.type, dtype=_DTYPES[precision])
-    return contextlib.nullcontext()
-
-
-def grad_scaler(precision: str, device: torch.device, fsdp: bool = False) -> Optional[Any]:
-    """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
-    Under FSDP each rank holds a shard of the gradients, so the inf/nan check must be agreed
-    across ranks: the sharded scaler does that."""
-    if precision != "fp16-mixed":
-        return None
-    if fsdp:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        return ShardedGradScaler(device.type)
-    return torch.amp.GradScaler(device.type)

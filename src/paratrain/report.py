@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 from .errors import ParatrainError
+from .fileio import atomic_write_path
 
 REPORT = "report.png"
 # summary.json memory keys -> bar labels, in the order a reader adds them up
@@ -74,17 +74,8 @@ def write_report(run_dir: str | os.PathLike, out: Optional[str | os.PathLike] = 
         _line_panel(axes[1, 0], rows, "lr", "learning rate", "learning rate", "tab:purple")
         _memory_panel(axes[1, 1], summary)
         target = Path(out) if out is not None else run_dir / REPORT
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                fig.savefig(f, format="png", dpi=100)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with atomic_write_path(target) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
     finally:
         plt.close(fig)
     return target

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from paratrain.dist import DistEnv
 from paratrain.models import build_model
 from paratrain.models.presets import PRESETS, ModelArgs
-from paratrain.strategies import no_grad_sync, parallelize
+from paratrain.parallel import DDP, parallelize
 
 
 def ddp_replicas(rank: int, world: int, port: int, result_path: str) -> None:
@@ -24,12 +24,13 @@ def ddp_replicas(rank: int, world: int, port: int, result_path: str) -> None:
     try:
         args = ModelArgs(**{**_tiny(), "vocab_size": 97, "max_seq_length": 16})
         torch.manual_seed(0)
-        model = parallelize(build_model(args), "ddp", env)
+        ddp = DDP()
+        model = parallelize(build_model(args), ddp, env, precision="fp32")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(100 + rank)  # each rank sees different tokens
         for step in range(4):
             for micro in range(2):  # accumulate: the first micro-step must not sync
-                ctx = no_grad_sync(model) if micro == 0 else torch.enable_grad()
+                ctx = ddp.no_sync(model) if micro == 0 else torch.enable_grad()
                 with ctx:
                     idx = torch.randint(0, 97, (3, 16), generator=g)
                     logits = model(idx)

@@ -70,7 +70,7 @@ def test_plan_matches_what_the_runs_measured(ddp_and_fsdp):
     cfg = TrainConfig.from_yaml(None, [o for o in over if not o.startswith("data.vocab")]
                                 + ["data.vocab_size=384", "trainer.batch_size=4"])
     rows, _, _ = plan_for_config(cfg, world=2)
-    by = {r.strategy: r for r in rows}
+    by = {r.label: r for r in rows}
     for name, measured in (("ddp", s_ddp["memory"][0]), ("fsdp", s_fsdp["memory"][0])):
         row = by[name]
         for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):

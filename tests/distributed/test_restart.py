@@ -9,9 +9,6 @@ import signal
 
 import pytest
 
-from paratrain.dist import DistEnv
-from paratrain.errors import ConfigError
-from paratrain.strategies import resolve_strategy
 from tests.conftest import read_summary
 from tests.distributed._snapshot_helpers import (args_for, assert_bit_identical, committed_steps,
                                                  finish, reference_run, start_cli, steps_logged,
@@ -20,21 +17,7 @@ from tests.distributed._snapshot_helpers import (args_for, assert_bit_identical,
 pytestmark = pytest.mark.timeout(300)
 
 
-def _fsdp_available() -> bool:
-    try:
-        resolve_strategy("fsdp", DistEnv(world_size=2))
-    except ConfigError as e:
-        if "not available" in str(e):
-            return False
-        raise
-    return True
-
-
-@pytest.mark.parametrize("strategy", [
-    "ddp",
-    pytest.param("fsdp", marks=pytest.mark.skipif(
-        not _fsdp_available(), reason="trainer.strategy=fsdp is not available in this version")),
-])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_sigkill_one_worker_restarts_and_ends_bit_identical(tmp_path, tmp_path_factory,
                                                             corpus_dir, cache_dir, strategy):
     extra = {} if strategy == "ddp" else {"trainer.strategy": strategy}  # ddp: BASE's auto

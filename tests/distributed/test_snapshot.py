@@ -13,7 +13,7 @@ import socket
 
 import pytest
 
-from paratrain import snapshot
+from paratrain import snapshot_store as snapshot
 from tests.conftest import read_metrics, read_summary, run_cli
 from tests.distributed._snapshot_helpers import (args_for, assert_bit_identical, committed_steps,
                                                  interrupted_copy, kill_job, reference_run,

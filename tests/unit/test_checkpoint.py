@@ -11,15 +11,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from paratrain import checkpoint, snapshot
-from paratrain.checkpoint import Snapshotter
+from paratrain import snapshot_store as snapshot
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.dist import DistEnv
 from paratrain.errors import CheckpointError, ConfigError, RunDirError
+from paratrain.model_io import load_model
 from paratrain.models import build_model
 from paratrain.models.presets import resolve_model_config
 from paratrain.optim import build_optimizer, build_scheduler
-from paratrain.trainer import check_run_dir
+from paratrain.parallel import Parallelism
+from paratrain.rundir import check_run_dir, trim_jsonl
+from paratrain.runplan import RunPlan
+from paratrain.snapshotter import Snapshotter
 
 ARGS = resolve_model_config(ModelConfig(preset="tiny"), vocab_size=97, seq_length=16)
 
@@ -48,10 +51,17 @@ def _step(model, opt, sched, g: torch.Generator) -> float:
     return float(loss.detach())
 
 
-def _snapshotter(cfg, model, opt, sched) -> Snapshotter:
-    return Snapshotter(cfg, DistEnv.single(), model, opt, sched, None, info={
-        "strategy": "single", "precision": "fp32", "model": ARGS.to_dict(), "global_batch": 2,
-        "steps_per_epoch": 100, "total_steps": 20})
+def _plan(cfg, steps_per_epoch: int = 100, total_steps: int = 20) -> RunPlan:
+    return RunPlan(cfg=cfg, devices=("cpu",), nnodes=1, world_size=1, local_world_size=1,
+                   parallelism=Parallelism(), parallelism_reason="one process",
+                   activation_checkpointing=False, precision="fp32", micro_batch=2, accum=1,
+                   global_batch=2, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                   cpu_threads=1)
+
+
+def _snapshotter(cfg, model, opt, sched, **plan) -> Snapshotter:
+    return Snapshotter(_plan(cfg, **plan), DistEnv.single(), model, opt, sched, None,
+                       model_info=ARGS.to_dict())
 
 
 def _fake_snapshot(root, step: int, committed: bool = True, payload: bytes = b"x" * 10):
@@ -134,11 +144,11 @@ def test_resume_continues_bit_identical(tmp_path, async_save):
     for _ in range(2):
         _step(model, opt, sched, g)
     data_state = g.get_state()
-    snaps.save(2, {"epoch": 0}, {"loss_sum": 1.5, "count": 3.0})
+    snaps.save(2, {"loss_sum": 1.5, "count": 3.0})
     torch.manual_seed(123)  # the RNG state the snapshot holds
     expected_rand = torch.rand(3)
     losses = [_step(model, opt, sched, g) for _ in range(3)]
-    snaps.close()  # async: committed only now at the latest
+    snaps.wait()  # async: committed only now at the latest
     assert snaps.report()["count"] == 1
 
     model2, opt2, sched2 = _parts(cfg, seed=99)  # different initial weights: all must load
@@ -160,13 +170,13 @@ def test_async_snapshot_holds_the_state_at_save_time(tmp_path):
     cfg = _cfg(tmp_path, every_steps=1)
     model, opt, sched = _parts(cfg)
     snaps = _snapshotter(cfg, model, opt, sched)
-    snaps.save(1, {}, {"loss_sum": 0.0, "count": 0.0})
+    snaps.save(1, {"loss_sum": 0.0, "count": 0.0})
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    snaps.close()
-    out = checkpoint.export_snapshot(str(tmp_path / "run" / "checkpoints"),
+    snaps.wait()
+    out = snapshot.export_snapshot(str(tmp_path / "run" / "checkpoints"),
                                      tmp_path / "w.safetensors")
     from safetensors.torch import load_file
     got = load_file(str(out))
@@ -177,26 +187,26 @@ def test_async_snapshot_holds_the_state_at_save_time(tmp_path):
 def test_export_writes_a_model_folder_load_model_reads(tmp_path):
     cfg = _cfg(tmp_path, every_steps=1, async_save="false")
     model, opt, sched = _parts(cfg)
-    _snapshotter(cfg, model, opt, sched).save(1, {}, {"loss_sum": 0.0, "count": 0.0})
-    out = checkpoint.export_snapshot(str(tmp_path / "run"), tmp_path / "exported")
-    loaded, _ = checkpoint.load_model(out)
+    _snapshotter(cfg, model, opt, sched).save(1, {"loss_sum": 0.0, "count": 0.0})
+    out = snapshot.export_snapshot(str(tmp_path / "run"), tmp_path / "exported")
+    loaded, _ = load_model(out)
     for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), k
 
 
-def test_due_every_n_steps_and_at_epoch_ends_never_after_the_last(tmp_path):
+def test_saves_every_n_steps_and_at_epoch_ends_never_after_the_last(tmp_path):
     cfg = _cfg(tmp_path, every_steps=4)
-    snaps = _snapshotter(cfg, *_parts(cfg))
-    assert [s for s in range(1, 21) if snaps.due(s, steps_per_epoch=6, total_steps=20)] == \
-        [4, 6, 8, 12, 16, 18]
-    off = _snapshotter(_cfg(tmp_path, every_steps=0), *_parts(cfg))
-    assert not any(off.due(s, 6, 20) for s in range(1, 21))
+    snaps = _snapshotter(cfg, *_parts(cfg), steps_per_epoch=6, total_steps=20)
+    assert [s for s in range(1, 21) if snaps.should_save(s)] == [4, 6, 8, 12, 16, 18]
+    off = _snapshotter(_cfg(tmp_path, every_steps=0), *_parts(cfg), steps_per_epoch=6,
+                       total_steps=20)
+    assert not any(off.should_save(s) for s in range(1, 21))
 
 
 def test_resume_never_refuses_foreign_snapshots_and_overwrite_replaces_them(tmp_path):
     cfg = _cfg(tmp_path, every_steps=1, async_save="false")
     model, opt, sched = _parts(cfg)
-    _snapshotter(cfg, model, opt, sched).save(1, {}, {"loss_sum": 0.0, "count": 0.0})
+    _snapshotter(cfg, model, opt, sched).save(1, {"loss_sum": 0.0, "count": 0.0})
     never = _cfg(tmp_path, resume="never")
     with pytest.raises(CheckpointError, match="already holds snapshots"):
         _snapshotter(never, model, opt, sched).resume()
@@ -208,7 +218,7 @@ def test_resume_never_refuses_foreign_snapshots_and_overwrite_replaces_them(tmp_
 def test_another_global_batch_is_refused(tmp_path):
     cfg = _cfg(tmp_path, every_steps=1, async_save="false")
     model, opt, sched = _parts(cfg)
-    _snapshotter(cfg, model, opt, sched).save(1, {}, {"loss_sum": 0.0, "count": 0.0})
+    _snapshotter(cfg, model, opt, sched).save(1, {"loss_sum": 0.0, "count": 0.0})
     other = _snapshotter(cfg, model, opt, sched)
     other.info = {**other.info, "global_batch": 4}
     with pytest.raises(ConfigError, match="trainer.global_batch_size=2"):
@@ -244,5 +254,5 @@ def test_run_dir_with_an_unfinished_run_and_a_snapshot_is_a_resume(tmp_path):
 def test_trim_jsonl_drops_steps_beyond_the_resume_point(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)))
-    checkpoint.trim_jsonl(p, 4)
+    trim_jsonl(p, 4)
     assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 2, 3, 4]

@@ -2,7 +2,8 @@
 
 import pytest
 
-from paratrain.config import TrainConfig, redact_secrets
+from paratrain.config import TrainConfig
+from paratrain.redact import redact_secrets
 from paratrain.errors import ConfigError
 
 

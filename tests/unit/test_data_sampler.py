@@ -34,10 +34,10 @@ def test_epochs_and_seeds():
     assert list(GlobalSampler(10, shuffle=False)) == list(range(10))
 
 
-def test_set_position_resumes_exactly():
+def test_position_resumes_exactly():
     full = list(GlobalSampler(57, 2, 1, seed=5, global_batch=4))
     s = GlobalSampler(57, 2, 1, seed=5, global_batch=4)
-    s.set_position(10)
+    s.load_state_dict({"epoch": 0, "seed": 5, "position": 10})
     assert len(s) == len(full) - 10 and list(s) == full[10:]
     restored = GlobalSampler(57, 2, 1, seed=0, global_batch=4)
     restored.load_state_dict(s.state_dict())

@@ -5,7 +5,7 @@ import torch
 
 from paratrain.errors import ConfigError
 from paratrain.launch import detect_launcher, parse_devices, slurm_master
-from paratrain.trainer import batch_plan
+from paratrain.runplan import batch_plan
 
 
 def cpu(n):

@@ -7,7 +7,8 @@ import pytest
 
 from paratrain import cli
 from paratrain.errors import ConfigError
-from paratrain.launch import _compare, detect_launcher, worker_dist_env
+from paratrain.launch import detect_launcher, worker_dist_env
+from paratrain.nodes import _compare
 from tests.conftest import tiny_overrides
 
 

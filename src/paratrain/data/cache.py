@@ -28,6 +28,7 @@ import numpy as np
 
 from ..config import DataConfig
 from ..errors import DataError
+from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus
 from .tokenizer import Tokenizer
 
@@ -190,7 +191,7 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
         "num_docs": {s: stats[s]["docs"] for s in SPLITS},
         "num_tokens": {s: stats[s]["tokens"] for s in SPLITS},
     }
-    _write_json_atomic(out / "meta.json", meta)  # last: marks the directory complete
+    atomic_write_json(out / "meta.json", meta, sort_keys=True)  # last: marks the directory complete
 
 
 def _split_mask(n: int, val_fraction: float) -> np.ndarray:
@@ -262,9 +263,3 @@ def _tokenize_to_disk(corpus: Corpus, is_val: np.ndarray, tokenizer: Tokenizer,
     for s in SPLITS:
         np.save(out / f"{s}_offsets.npy", np.asarray(offsets[s], dtype=np.int64))
     return {s: {"docs": len(offsets[s]) - 1, "tokens": offsets[s][-1]} for s in SPLITS}
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)

@@ -19,8 +19,8 @@ class GlobalSampler(Sampler[int]):
 
     `position` counts samples this rank has already consumed in the current epoch; iteration
     starts after them. The sampler cannot see what the training loop consumed (a DataLoader
-    prefetches), so the loop tells it: set_position(steps_done * per_rank_samples_per_step)
-    before state_dict(), or on resume load_state_dict() of what was saved.
+    prefetches), so on resume the loop tells it with load_state_dict(): the position is the
+    steps done in this epoch times this rank's samples per step.
     """
 
     def __init__(self, num_samples: int, world_size: int = 1, rank: int = 0, seed: int = 0,
@@ -79,12 +79,6 @@ class GlobalSampler(Sampler[int]):
             self.position = 0
         self.epoch = epoch
 
-    def set_position(self, samples_consumed: int) -> None:
-        """Samples this rank already consumed in the current epoch; iteration skips them."""
-        if samples_consumed < 0:
-            raise ValueError(f"position must be >= 0, got {samples_consumed}")
-        self.position = samples_consumed
-
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
@@ -110,3 +104,24 @@ class EvalSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.num_samples, self.world_size))
+
+
+class SampleRecorder(Sampler[int]):
+    """A test aid (`checkpoint.record_samples=true`): passes a sampler's indices through and
+    remembers them, so the loop can write which samples every step trained on."""
+
+    def __init__(self, inner: torch.utils.data.Sampler):
+        self.inner = inner
+        self.taken: list[int] = []
+
+    def __iter__(self):
+        for i in self.inner:
+            self.taken.append(int(i))
+            yield i
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def pop(self) -> list[int]:
+        out, self.taken = self.taken, []
+        return out

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 PAD, BOT, EOT, UNK = "[PAD]", "[BOT]", "[EOT]", "[UNK]"
 SPECIAL_TOKENS = (PAD, BOT, EOT)  # ids 0, 1, 2 for every kind
+TOKENIZER_FILE = "tokenizer.json"  # its name wherever a tokenizer is saved (model/, snapshots)
 
 
 class Tokenizer:

@@ -7,12 +7,9 @@ reported before any process starts, and that check should cost milliseconds.
 from __future__ import annotations
 
 from dataclasses import MISSING, asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any, NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
 from ..errors import ConfigError
-
-if TYPE_CHECKING:  # only for the annotation; config.py imports this module lazily
-    from ..config import ModelConfig
 
 ARCHS = ("llama", "gpt")
 
@@ -78,8 +75,9 @@ class ModelArgs:
         return args
 
 
-def resolve_model_config(mc: "ModelConfig", vocab_size: int, seq_length: int) -> ModelArgs:
-    """Preset fills what the user left unset; explicit keys win; then the shape is checked.
+def resolve_model_config(mc: Any, vocab_size: int, seq_length: int) -> ModelArgs:
+    """Preset fills what the user left unset; explicit keys win; then the shape is checked. `mc`
+    is the model.* section (config.ModelConfig), read by attribute: this module sits below config.
 
     `vocab_size` is the tokenizer's (mc.vocab_size overrides it, e.g. to pad to a multiple
     of 64); `seq_length` is data.seq_length, the default and the minimum max_seq_length.

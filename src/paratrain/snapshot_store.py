@@ -16,7 +16,8 @@ of every other file, so a truncated file is caught before DCP reads it, and the 
 state (step, sampler position, scheduler, RNG of every rank, resolved config) as JSON, so that
 our own state never goes through pickle.
 
-This module only knows the layout; checkpoint.Snapshotter saves and restores a training run.
+This module knows the layout and the storage, and is what `paratrain checkpoint inspect|export`
+use; snapshotter.py saves and restores a training run through it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +34,13 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from .config import TrainConfig, redact_secrets
+from .config import TrainConfig
+from .data.tokenizer import TOKENIZER_FILE
 from .errors import CheckpointError
+from .fileio import atomic_write_path, atomic_write_text
+from .redact import redact_url
 
 MARKER = "committed.json"
-TOKENIZER = "tokenizer.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step-(\d{7,})")
 
@@ -48,11 +52,6 @@ def step_dir(step: int) -> str:
 def root_of(cfg: TrainConfig) -> str:
     """`checkpoint.dir`, or `<run.dir>/checkpoints`."""
     return cfg.checkpoint.dir or str(cfg.run_dir / "checkpoints")
-
-
-def shown(url: str) -> str:
-    """A path or URL fit for a log line: credentials in a URL are masked."""
-    return redact_secrets(str(url))
 
 
 def is_url(path: str) -> bool:
@@ -75,7 +74,7 @@ class Store:
         try:
             self.fs, self.path = url_to_fs(self.root)
         except (ImportError, ValueError) as e:  # e.g. s3:// without s3fs installed
-            raise CheckpointError(f"checkpoint.dir={shown(self.root)!r} cannot be opened: "
+            raise CheckpointError(f"checkpoint.dir={redact_url(self.root)!r} cannot be opened: "
                                   f"{e}; for s3:// install paratrain[s3]") from None
         protocol = self.fs.protocol
         self.local = "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
@@ -83,8 +82,17 @@ class Store:
     def url(self, step: int) -> str:
         return f"{self.root}/{step_dir(step)}"
 
-    def _path(self, url: str) -> str:
+    def path_of(self, url: str) -> str:
+        """`url` as this store's filesystem names it (no protocol)."""
         return self.fs._strip_protocol(url)
+
+    def get_file(self, url: str, name: str, dest: Path) -> bool:
+        """Copy file `name` of snapshot `url` to a local path; False when it has none."""
+        try:
+            self.fs.get_file(f"{self.path_of(url)}/{name}", str(dest))
+            return True
+        except FileNotFoundError:
+            return False
 
     # ---- reading -------------------------------------------------------------------------
     def snapshots(self) -> list[Snapshot]:
@@ -101,21 +109,21 @@ class Store:
             if m and e.get("type") == "directory":
                 url = f"{self.root}/{name}"
                 out.append(Snapshot(url, int(m.group(1)),
-                                    self.fs.exists(f"{self._path(url)}/{MARKER}")))
+                                    self.fs.exists(f"{self.path_of(url)}/{MARKER}")))
         return sorted(out, key=lambda s: s.step)
 
     def marker(self, url: str) -> Optional[dict]:
         """The commit marker's content, or None when the snapshot is not committed."""
         try:
-            d = json.loads(self.fs.cat_file(f"{self._path(url)}/{MARKER}"))
+            d = json.loads(self.fs.cat_file(f"{self.path_of(url)}/{MARKER}"))
         except (FileNotFoundError, ValueError):
             return None
         return d if isinstance(d, dict) and d.get("format") == FORMAT_VERSION else None
 
     def file_sizes(self, url: str) -> dict[str, int]:
-        base = self._path(url).rstrip("/") + "/"
-        self.fs.invalidate_cache(self._path(url))
-        found = self.fs.find(self._path(url), detail=True)
+        base = self.path_of(url).rstrip("/") + "/"
+        self.fs.invalidate_cache(self.path_of(url))
+        found = self.fs.find(self.path_of(url), detail=True)
         return {k[len(base):]: int(v["size"]) for k, v in found.items()
                 if k.startswith(base) and not k.endswith(MARKER)}
 
@@ -143,27 +151,26 @@ class Store:
                 continue  # being written, or its writer died: not a snapshot (yet)
             why = self.problem(snap.url)
             if why:
-                warn(f"skipping snapshot {shown(snap.url)}: {why}")
+                warn(f"skipping snapshot {redact_url(snap.url)}: {why}")
                 continue
             yield snap, self.marker(snap.url)  # type: ignore[misc]
 
     # ---- writing (global rank 0 only) ----------------------------------------------------
     def commit(self, url: str, marker: dict, tokenizer_path: Optional[Path] = None) -> None:
         """Write the commit marker, last; before it, nothing in `url` counts."""
-        p = self._path(url)
+        p = self.path_of(url)
         if tokenizer_path is not None and Path(tokenizer_path).is_file():
-            self.fs.put_file(str(tokenizer_path), f"{p}/{TOKENIZER}")
+            self.fs.put_file(str(tokenizer_path), f"{p}/{TOKENIZER_FILE}")
         marker = {"format": FORMAT_VERSION, **marker, "files": self.file_sizes(url)}
         data = json.dumps(marker, indent=1)
         if self.local:
-            from .metrics import write_text_atomic
-            write_text_atomic(Path(p) / MARKER, data)
+            atomic_write_text(Path(p) / MARKER, data)
         else:  # one PUT: an object appears whole or not at all
             self.fs.pipe_file(f"{p}/{MARKER}", data.encode())
 
     def remove(self, url: str) -> None:
         try:
-            self.fs.rm(self._path(url), recursive=True)
+            self.fs.rm(self.path_of(url), recursive=True)
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache(self.path)
@@ -221,12 +228,12 @@ def describe(path: str) -> dict:
     pickle) is read only from a committed, complete snapshot."""
     store, step = split(path)
     if step is None:
-        raise CheckpointError(f"{shown(path)!r} is not a snapshot folder (step-NNNNNNN)")
+        raise CheckpointError(f"{redact_url(path)!r} is not a snapshot folder (step-NNNNNNN)")
     url = store.url(step)
-    if not store.fs.exists(store._path(url)):
-        raise CheckpointError(f"snapshot {shown(url)!r} does not exist")
+    if not store.fs.exists(store.path_of(url)):
+        raise CheckpointError(f"snapshot {redact_url(url)!r} does not exist")
     why = store.problem(url)
-    out: dict = {"path": shown(url), "step": step, "committed": store.marker(url) is not None,
+    out: dict = {"path": redact_url(url), "step": step, "committed": store.marker(url) is not None,
                  "usable": why is None, "problem": why, "files": store.file_sizes(url)}
     marker = store.marker(url)
     if marker:
@@ -251,10 +258,10 @@ def load_model_weights(path: str, template: dict[str, torch.Tensor]) -> dict[str
     import torch.distributed.checkpoint as dcp
     store, step = split(path)
     if step is None:
-        raise CheckpointError(f"{shown(path)!r} is not a snapshot folder (step-NNNNNNN)")
+        raise CheckpointError(f"{redact_url(path)!r} is not a snapshot folder (step-NNNNNNN)")
     why = store.problem(store.url(step))
     if why:
-        raise CheckpointError(f"snapshot {shown(path)!r} cannot be used: {why}")
+        raise CheckpointError(f"snapshot {redact_url(path)!r} cannot be used: {why}")
     state = {"model": template}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
@@ -272,7 +279,7 @@ def resolve(path: str) -> str:
         found = next(Store(root).usable(), None)
         if found is not None:
             return found[0].url
-    raise CheckpointError(f"{shown(path)!r} holds no committed snapshot (a step-NNNNNNN folder "
+    raise CheckpointError(f"{redact_url(path)!r} holds no committed snapshot (a step-NNNNNNN folder "
                           f"with {MARKER}); pass a snapshot folder, a checkpoints folder or a "
                           "run dir")
 
@@ -283,10 +290,10 @@ def listing(path: str) -> list[dict]:
         store = Store(root)
         snaps = store.snapshots()
         if snaps:
-            return [{"path": shown(s.url), "step": s.step, "committed": s.committed,
+            return [{"path": redact_url(s.url), "step": s.step, "committed": s.committed,
                      "problem": store.problem(s.url), "bytes": sum(store.file_sizes(s.url).values())}
                     for s in snaps]
-    raise CheckpointError(f"{shown(path)!r} holds no snapshot folders (step-NNNNNNN)")
+    raise CheckpointError(f"{redact_url(path)!r} holds no snapshot folders (step-NNNNNNN)")
 
 
 def format_description(d: dict) -> str:
@@ -308,3 +315,34 @@ def format_description(d: dict) -> str:
             lines.append(f"    {t['name']:<{width}}  {shape:>12}  {t['dtype']:<14} "
                          f"{t['bytes']:>12,}")
     return "\n".join(lines)
+
+
+def export_snapshot(path: str, out: str | Path) -> Path:
+    """The model weights of a sharded snapshot as one file. OUT ending in .safetensors: that file
+    alone; otherwise a model folder (weights, config.json, tokenizer.json) that `paratrain
+    generate` and `load_model` read."""
+    from safetensors.torch import save_file
+
+    from . import precision
+    from .model_io import drop_tied, save_model
+    from .models import ModelArgs, build_model
+    url = resolve(path)
+    store, _ = split(url)
+    marker = store.marker(url)
+    if marker is None:
+        raise CheckpointError(f"snapshot {redact_url(url)!r} is not committed; nothing to export")
+    args = ModelArgs.from_dict(marker["model"])
+    model = precision.prepare_model(build_model(args), marker.get("precision") or "fp32")
+    weights = load_model_weights(url, model.state_dict())
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        tensors = {k: v.contiguous() for k, v in weights.items()}
+        with atomic_write_path(out) as tmp_file:
+            save_file(drop_tied(tensors) if args.tie_embeddings else tensors, str(tmp_file),
+                      metadata={"format": "pt", "producer": "paratrain",
+                                "step": str(marker["step"])})
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = Path(tmp) / TOKENIZER_FILE
+        found = store.get_file(url, TOKENIZER_FILE, tok)
+        return save_model(out, weights, args.to_dict(), tok if found else None)

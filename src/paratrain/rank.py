@@ -1,0 +1,173 @@
+"""One rank's whole run: join the group, build the model the plan says, resume, loop, evaluate,
+save, leave. Everything this rank needs to know about the run comes in the plan; under torchrun /
+Slurm, where no calling process planned it, the rank plans it here first (`plan_on_ranks`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional
+
+import torch
+
+from . import loggers, optim, watchdog
+from .config import TrainConfig
+from .console import log
+from .dist import DistEnv
+from .fileio import atomic_write_json
+from .loop import TrainLoop
+from .memory import format_memory_table, gather_memory
+from .model_io import MODEL_DIR, full_state_dict
+from .models import count_params
+from .precision import prepare_model
+from .parallel import parallelize
+from .redact import redact_url
+from .rundir import check_run_dir, prepare_run_dir
+from .runplan import RunPlan, auto_choice, make_plan
+from .snapshotter import Resumed, Snapshotter
+from .task import LMTask, Task
+
+
+def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
+             task: Optional[Task] = None) -> dict:
+    """The run on this rank; {"summary", "run_dir", "is_master"}. `plan` None: this rank was
+    started by torchrun / Slurm, so it checks the run dir and plans for itself. `task` None:
+    the built-in language model on cfg's data."""
+    from .launch import cpu_count
+    t_start = time.perf_counter()
+    if env.device.type == "cpu":  # ranks sharing the cores: one slice each, not all each
+        threads = plan.cpu_threads if plan is not None else cpu_count() // env.local_world_size
+        torch.set_num_threads(max(1, threads))
+    if plan is None and env.is_master:  # before init: nobody has written anything yet
+        check_run_dir(cfg, env.attempt)
+    env.init()
+    # Names a stalled rank instead of a bare collective timeout; stacks go to the run dir.
+    stall_watchdog = watchdog.Watchdog.start(env, cfg.run_dir, cfg.distributed.timeout_s)
+    model = optimizer = snapshots = records = None
+    failed = False
+    try:
+        if task is None:
+            task = LMTask.prepare(cfg, env, lambda m: log(env, m))
+        if plan is None:
+            plan = plan_on_ranks(cfg, env, task)
+        model, optimizer, scheduler, scaler, n_params = _build(plan, env, task)
+        snapshots = Snapshotter(plan, env, model, optimizer, scheduler, scaler,
+                                model_info=task.model_info, tokenizer_path=task.tokenizer_path)
+        resumed = snapshots.resume()
+        if env.is_master:
+            prepare_run_dir(cfg, None if resumed is None else resumed.step)
+        _log_start(plan, env, task, n_params, resumed)
+        if cfg.trainer.verbose:
+            log(env, "memory at start:\n" + format_memory_table(
+                gather_memory(env, model, optimizer)))
+
+        loop = TrainLoop(plan, env, model, optimizer, scheduler, scaler, task,
+                         snapshots=snapshots, resumed=resumed)
+        stall_watchdog.watch(loop.progress)
+        records = loggers.RunRecords.open(cfg, env, start_step=loop.step)  # TensorBoard, ...
+        last = loop.run(records)
+        snapshots.wait()  # the last snapshot in flight is committed before anything else
+        val_loss = loop.evaluate()
+        if val_loss is not None:
+            log(env, f"validation loss {val_loss:.4f}" + (
+                f" (perplexity {math.exp(val_loss):.2f})" if task.perplexity else ""))
+        memory = gather_memory(env, model, optimizer, loop.grads_bytes, loop.activation_bytes)
+        if cfg.trainer.verbose:
+            log(env, "memory at end:\n" + format_memory_table(memory))
+
+        state = full_state_dict(model, env, plan.parallelism)
+        summary = run_summary(plan, env, task, loop, last, val_loss, n_params, resumed,
+                              snapshots.report(), memory, time.perf_counter() - t_start)
+        if env.is_master:
+            task.save(plan.parallelism.unwrap(model), cfg.run_dir / MODEL_DIR, state)
+            atomic_write_json(cfg.run_dir / "summary.json", summary)
+            records.finish(summary)  # memory per rank to the sinks; report.png
+            log(env, f"done in {summary['wall_s']:.1f} s: final loss "
+                     f"{summary['final_loss']:.4f}; outputs in {cfg.run_dir}")
+        env.barrier()  # nobody leaves before rank 0 has written the model
+        return {"summary": summary, "run_dir": str(cfg.run_dir), "is_master": env.is_master}
+    except Exception as e:
+        failed = True
+        stalled = stall_watchdog.explain(e)  # a collective timed out: who stalled, and where
+        if stalled is not None:
+            raise stalled from e
+        raise
+    finally:
+        stall_watchdog.stop()
+        if records is not None:
+            records.close()
+        del model, optimizer, snapshots, records  # a live DDP module at teardown can abort
+        env.teardown(barrier=not failed)
+
+
+def plan_on_ranks(cfg: TrainConfig, env: DistEnv, task: Task) -> RunPlan:
+    """Under torchrun / Slurm: every rank builds the same plan; `auto`'s pick is rank 0's."""
+    choice = None
+    if env.is_master:
+        choice = auto_choice(cfg, task, world_size=env.world_size, device=env.device,
+                             local_world_size=env.local_world_size)
+    choice = env.broadcast_object(choice)
+    devices = [env.device] * env.local_world_size  # this rank reads only its own
+    return make_plan(cfg, task, devices=devices, world_size=env.world_size,
+                     local_world_size=env.local_world_size, choice=choice)
+
+
+def _build(plan: RunPlan, env: DistEnv, task: Task) -> tuple[Any, Any, Any, Any, int]:
+    """(wrapped model, optimizer, LR scheduler, gradient scaler, parameter count)."""
+    tr = plan.cfg.trainer
+    torch.manual_seed(tr.seed)  # the same initial weights on every rank
+    model = prepare_model(task.build_model(), plan.precision)
+    n_params = count_params(model)
+    model = parallelize(model, plan.parallelism, env, precision=plan.precision,
+                        activation_checkpointing=plan.activation_checkpointing,
+                        compile=tr.compile, wrap=task.fsdp_wrap)
+    torch.manual_seed(tr.seed + 1 + env.rank)  # dropout differs between ranks
+    optimizer = optim.build_optimizer(model, plan.cfg.optim, env.device)
+    scheduler = optim.build_scheduler(optimizer, plan.cfg.optim, plan.total_steps)
+    scaler = plan.parallelism.grad_scaler(plan.precision, env.device)
+    return model, optimizer, scheduler, scaler, n_params
+
+
+def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
+               resumed: Optional[Resumed]) -> None:
+    tr = plan.cfg.trainer
+    extras = "".join([" + activation checkpointing" if plan.activation_checkpointing else "",
+                      " + CPU offload" if plan.parallelism.offloads_to_host else ""])
+    log(env, f"{task.describe(n_params)}; strategy {plan.parallelism.name}{extras} "
+             f"({plan.parallelism_reason}); {env.world_size} worker(s) on {env.device.type}; "
+             f"precision {plan.precision}")
+    log(env, f"batch: {tr.batch_size} per device x {env.world_size} workers x {plan.accum} "
+             f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps "
+             f"({plan.steps_per_epoch} per epoch)")
+    if resumed is not None:
+        resharded = (f"; saved by {resumed.world_size} worker(s), resharded to "
+                     f"{env.world_size}" if resumed.world_size != env.world_size else "")
+        log(env, f"resumed from step {resumed.step} ({redact_url(resumed.url)}){resharded}")
+
+
+def run_summary(plan: RunPlan, env: DistEnv, task: Task, loop: TrainLoop, last: dict,
+                val_loss: Optional[float], n_params: int, resumed: Optional[Resumed],
+                snapshots: dict, memory: list, wall_s: float) -> dict:
+    """summary.json: what the run did, how fast, with what, and the memory of every rank."""
+    cfg = plan.cfg
+    return {
+        "steps": plan.total_steps, "epochs": plan.total_steps / plan.steps_per_epoch,
+        "final_loss": last.get("loss"), "val_loss": val_loss,
+        "val_perplexity": math.exp(min(val_loss, 700)) if val_loss is not None else None,
+        "wall_s": wall_s, "train_s": loop.train_s,
+        "tokens_per_s": loop.tokens / max(loop.train_s, 1e-9), "tokens": loop.tokens,
+        "data_wait_s": loop.data_wait_s, "step_times_s": loop.step_times,
+        "step_cpu_s": loop.step_cpu_times,
+        "world_size": env.world_size, "nnodes": env.nnodes, "strategy": plan.parallelism.name,
+        "strategy_reason": plan.parallelism_reason,
+        "activation_checkpointing": plan.activation_checkpointing,
+        "cpu_offload": plan.parallelism.offloads_to_host,
+        "precision": plan.precision, "batch_size": cfg.trainer.batch_size,
+        "grad_accum": plan.accum, "global_batch_size": plan.global_batch,
+        "seq_length": cfg.data.seq_length, "params": n_params,
+        "resumed_from": None if resumed is None else {
+            "step": resumed.step, "path": redact_url(resumed.url),
+            "world_size": resumed.world_size},
+        "snapshots": snapshots,
+        "data_fingerprint": task.data_fingerprint, "memory": memory,
+    }

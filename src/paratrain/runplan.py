@@ -1,0 +1,118 @@
+"""The run plan: everything a run derives from its config, its devices and its data, resolved and
+checked once, into one frozen object the workers receive and read.
+
+World and node layout, batch plan (micro-batch, accumulation, global batch), steps per epoch and
+in total, the parallelism (from the memory plan when `auto`), precision, threads per rank. It is
+built in the calling process before any worker starts; under torchrun / Slurm, where there is no
+calling process, each rank builds it the same way (the memory plan's pick comes from rank 0).
+Workers derive nothing again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .config import TrainConfig
+from .errors import ConfigError, DataError
+from .parallel import Parallelism, resolve_parallelism
+from .plan import Choice, choose, device_capacity, estimate
+from .task import Task
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    cfg: TrainConfig
+    devices: tuple[str, ...]  # this node's devices; local rank i computes on devices[i]
+    nnodes: int
+    world_size: int  # processes in the job
+    local_world_size: int  # processes on this node
+    parallelism: Parallelism
+    parallelism_reason: str  # why this one: logged, and `strategy_reason` in summary.json
+    activation_checkpointing: bool
+    precision: str
+    micro_batch: int  # samples per process per micro-step (x GPUs under nn.DataParallel)
+    accum: int  # micro-steps per optimizer step
+    global_batch: int  # samples per optimizer step, whatever the world size
+    steps_per_epoch: int
+    total_steps: int
+    cpu_threads: int  # torch threads per rank: the cores shared by the ranks on this host
+
+    @property
+    def device_list(self) -> list[torch.device]:
+        return [torch.device(d) for d in self.devices]
+
+
+def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
+              world_size: int, local_world_size: int, choice: Optional[Choice] = None,
+              ranks_on_host: Optional[int] = None) -> RunPlan:
+    """The plan of a run of `world_size` processes, `local_world_size` of them on this node.
+    `choice`: the memory plan's pick for `auto` (see `auto_choice`); `ranks_on_host`: processes
+    of this job that share this machine's cores (several "nodes" on one host), default local."""
+    from . import loggers
+    from .launch import cpu_count
+    from .precision import check_precision
+    tr = cfg.trainer
+    devices = list(devices)
+    parallelism, why = resolve_parallelism(
+        tr.strategy, world_size=world_size, local_world_size=local_world_size,
+        device=devices[0], cpu_offload=tr.cpu_offload,
+        reshard_after_forward=tr.reshard_after_forward,
+        planned=(choice.parallelism, choice.why) if choice is not None else None)
+    check_precision(tr.precision, devices[0])
+    loggers.check_log_config(cfg.log)  # log.wandb=true without wandb: say so now
+    replicas = parallelism.replicas_per_process(len(devices))
+    accum, global_batch = batch_plan(tr.batch_size, world_size * replicas, tr.global_batch_size)
+    per_epoch = steps_per_epoch(len(task.train_ds), global_batch, task)
+    ranks_here = ranks_on_host or local_world_size
+    return RunPlan(
+        cfg=cfg, devices=tuple(str(d) for d in devices), nnodes=cfg.distributed.nnodes,
+        world_size=world_size, local_world_size=local_world_size, parallelism=parallelism,
+        parallelism_reason=why,
+        activation_checkpointing=tr.activation_checkpointing or bool(
+            choice is not None and choice.activation_checkpointing),
+        precision=tr.precision, micro_batch=tr.batch_size * replicas, accum=accum,
+        global_batch=global_batch, steps_per_epoch=per_epoch,
+        total_steps=tr.max_steps or tr.epochs * per_epoch,
+        cpu_threads=max(1, cpu_count() // max(1, ranks_here)))
+
+
+def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.device,
+                local_world_size: int) -> Optional[Choice]:
+    """For `trainer.strategy=auto` on several processes: the memory plan's pick for this device
+    (None when auto needs no plan, or the task's model cannot be probed: auto is then ddp). One
+    process decides and the others follow: device capacities differ a little between ranks."""
+    tr = cfg.trainer
+    probe = task.memory_probe()
+    if tr.strategy != "auto" or world_size == 1 or tr.cpu_offload or probe is None:
+        return None
+    rows = estimate(probe.build_model, world=world_size, precision=tr.precision,
+                    micro_batch=tr.batch_size, seq_length=probe.seq_length,
+                    vocab_size=probe.vocab_size, reshard_after_forward=tr.reshard_after_forward)
+    return choose(rows, device_capacity(device, local_world_size))
+
+
+def steps_per_epoch(n_samples: int, global_batch: int, task: Any = None) -> int:
+    """Optimizer steps in one pass over the training set, or a DataError (the task's own words)
+    when the data cannot fill one global batch."""
+    steps = n_samples // global_batch
+    if steps < 1:
+        raise DataError(task.shortage_message(global_batch) if task is not None else
+                        f"{n_samples} samples are fewer than one global batch of {global_batch}")
+    return steps
+
+
+def batch_plan(batch_size: int, world_size: int, global_batch_size: Optional[int]
+               ) -> tuple[int, int]:
+    """(accumulation micro-steps, global batch). With a global batch the run is the same
+    whatever the world size; without one, the global batch grows with the workers."""
+    per_step = batch_size * world_size
+    if global_batch_size is None:
+        return 1, per_step
+    if global_batch_size % per_step:
+        raise ConfigError(f"trainer.global_batch_size={global_batch_size} is not divisible by "
+                          f"trainer.batch_size x workers = {batch_size} x {world_size} = "
+                          f"{per_step}; pick a multiple of {per_step}")
+    return global_batch_size // per_step, global_batch_size
