@@ -40,9 +40,16 @@ def cmd_train(ns: argparse.Namespace) -> int:
 def cmd_generate(ns: argparse.Namespace) -> int:
     import torch
 
-    from .model_io import load_model
+    from .model_io import load_model, model_dir_of
     from .models import generate
+    from .models.hf import generate_hf, is_hf_folder
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    mdir = model_dir_of(ns.run_dir)
+    if is_hf_folder(mdir):  # a fine-tuned Hugging Face model
+        print(generate_hf(mdir, ns.prompt, chat=_trained_on_chat(ns.run_dir),
+                          max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
+                          top_k=ns.top_k or None, seed=ns.seed, device=device))
+        return 0
     model, tokenizer = load_model(ns.run_dir, device=device)
     if tokenizer is None:
         raise ParatrainError(f"{ns.run_dir!r} has no tokenizer.json next to the model")
@@ -56,6 +63,14 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                    top_k=ns.top_k or None, eos_id=tokenizer.eot_id, generator=g)
     print(tokenizer.decode(out[0].tolist()))
     return 0
+
+
+def _trained_on_chat(run_dir: str) -> bool:
+    """Whether the run's config.yaml says data.format=chat (then prompts get the template)."""
+    from omegaconf import OmegaConf
+    from pathlib import Path
+    cfg_file = Path(run_dir) / "config.yaml"
+    return cfg_file.is_file() and OmegaConf.load(cfg_file).get("data", {}).get("format") == "chat"
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
@@ -114,6 +129,10 @@ def cmd_checkpoint_inspect(ns: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
+    if ns.format == "hf":  # a finished run's model/ as a Hugging Face LlamaForCausalLM folder
+        from .hf_export import export_hf
+        print(f"wrote {export_hf(ns.path, ns.out, overwrite=ns.overwrite)}")
+        return 0
     from .snapshot_store import export_snapshot
     print(f"wrote {export_snapshot(ns.path, ns.out)}")
     return 0
@@ -208,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "or a file ending in .safetensors.")
     ke.add_argument("path")
     ke.add_argument("out")
+    ke.add_argument("--format", choices=("paratrain", "hf"), default="paratrain",
+                    help="hf: a finished run's model as a Hugging Face LlamaForCausalLM folder "
+                         "with its tokenizer (transformers loads it offline)")
+    ke.add_argument("--overwrite", action="store_true", help="hf: replace a non-empty OUT")
     ke.set_defaults(func=cmd_checkpoint_export)
 
     rp = sub.add_parser("report", help="draw report.png for a finished or running run",

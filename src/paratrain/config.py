@@ -22,7 +22,8 @@ from .redact import redact_secrets
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
-FORMATS = ("packed", "padded")
+FORMATS = ("packed", "padded", "pairs", "chat")
+FINETUNE_FORMATS = ("pairs", "chat")  # records rendered with a pretrained model's tokenizer
 TOKENIZERS = ("bpe", "char")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -58,8 +59,15 @@ class DataConfig:
     text_field: str = "text"  # for jsonl / parquet
     seq_length: int = 256
     vocab_size: int = 4096  # BPE vocabulary to train
-    tokenizer: str = "bpe"  # bpe | char
-    format: str = "packed"  # packed | padded
+    tokenizer: str = "bpe"  # bpe | char | DIR: a pretrained tokenizer (pairs / chat)
+    format: str = "packed"  # packed | padded | pairs (input->output) | chat (messages)
+    input_field: str = "input"  # pairs: the prompt's field (jsonl / parquet / csv / datasets)
+    output_field: str = "output"  # pairs: the answer's field; the loss counts only its tokens
+    messages_field: str = "messages"  # chat: [{role, content}, ...]; loss on assistant turns
+    val_source: Optional[str] = None  # pairs / chat: a validation file (else val_fraction)
+    max_length: int = 1024  # pairs / chat: tokens per example (the input is cut from the left)
+    chat_template: str = "auto"  # auto (the tokenizer's, if any) | none | PATH to a jinja file
+    system_prompt: Optional[str] = None  # pairs / chat rendered with a chat template
     val_fraction: float = 0.02
     max_bytes: Optional[int] = None  # read at most this much text (documents in sorted order)
     cache_dir: Optional[str] = None  # default: $XDG_CACHE_HOME/paratrain or ~/.cache/paratrain
@@ -218,7 +226,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
     _choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
     _choice("data.format", cfg.data.format, FORMATS)
-    _choice("data.tokenizer", cfg.data.tokenizer, TOKENIZERS)
+    _check_data_format(cfg)
     _choice("distributed.backend", cfg.distributed.backend, BACKENDS)
     _choice("distributed.rdzv", cfg.distributed.rdzv, ("static", "c10d"))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name):
@@ -288,6 +296,28 @@ def validate(cfg: TrainConfig) -> None:
     # Model shape checks need the preset applied; models.presets does them (ConfigError too).
     resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
                          seq_length=cfg.data.seq_length)
+
+
+def _check_data_format(cfg: TrainConfig) -> None:
+    """Fine-tuning formats need a pretrained model and its tokenizer; corpora a tokenizer kind."""
+    d = cfg.data
+    if d.format in FINETUNE_FORMATS:
+        if cfg.model.arch != "hf":
+            raise ConfigError(f"data.format={d.format} fine-tunes a pretrained Hugging Face "
+                              f"model: set model.arch=hf model.path=DIR (got model.arch="
+                              f"{cfg.model.arch}); export one of ours with `paratrain "
+                              "checkpoint export RUN_DIR OUT --format hf`")
+        if d.max_length < 2:
+            raise ConfigError(f"data.max_length={d.max_length} must be at least 2")
+        if d.tokenizer not in TOKENIZERS and not Path(d.tokenizer).expanduser().is_dir():
+            raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a directory; pass a "
+                              "tokenizer saved with save_pretrained, or leave it unset to use "
+                              "model.path's")
+        return
+    if d.tokenizer not in TOKENIZERS:
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not one of: "
+                          f"{', '.join(TOKENIZERS)} (a pretrained tokenizer directory works "
+                          "with data.format=pairs or chat)")
 
 
 def _choice(key: str, value: str, allowed: Sequence[str]) -> None:

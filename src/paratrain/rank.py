@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from . import loggers, optim, watchdog
-from .config import TrainConfig
+from .config import FINETUNE_FORMATS, TrainConfig
 from .console import log
 from .dist import DistEnv
 from .fileio import atomic_write_json
@@ -25,14 +25,16 @@ from .redact import redact_url
 from .rundir import check_run_dir, prepare_run_dir
 from .runplan import RunPlan, auto_choice, make_plan
 from .snapshotter import Resumed, Snapshotter
+from .finetune_task import FinetuneRecords, FinetuneTask
 from .task import LMTask, Task
+from .user_task import UserTask
 
 
 def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
-             task: Optional[Task] = None) -> dict:
+             given: Any = None) -> dict:
     """The run on this rank; {"summary", "run_dir", "is_master"}. `plan` None: this rank was
-    started by torchrun / Slurm, so it checks the run dir and plans for itself. `task` None:
-    the built-in language model on cfg's data."""
+    started by torchrun / Slurm, so it checks the run dir and plans for itself. `given`: what
+    the Python API was handed (see `prepare_task`)."""
     from .launch import cpu_count
     t_start = time.perf_counter()
     if env.device.type == "cpu":  # ranks sharing the cores: one slice each, not all each
@@ -46,8 +48,8 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
     model = optimizer = snapshots = records = None
     failed = False
     try:
-        if task is None:
-            task = LMTask.prepare(cfg, env, lambda m: log(env, m))
+        # the calling process, when there is one, already logged what preparing the data found
+        task = prepare_task(cfg, env, given, quiet=plan is not None)
         if plan is None:
             plan = plan_on_ranks(cfg, env, task)
         model, optimizer, scheduler, scaler, n_params = _build(plan, env, task)
@@ -92,12 +94,31 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
         if stalled is not None:
             raise stalled from e
         raise
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: leave without waiting for peers
+        failed = True
+        raise
     finally:
         stall_watchdog.stop()
         if records is not None:
             records.close()
         del model, optimizer, snapshots, records  # a live DDP module at teardown can abort
         env.teardown(barrier=not failed)
+
+
+def prepare_task(cfg: TrainConfig, env: DistEnv, given: Any = None, quiet: bool = False
+                 ) -> Task:
+    """What is trained: a task already prepared (the user's own model and data, or one this
+    process built), fine-tuning records (data.format pairs / chat; `given` may hold the Python
+    API's records), or the built-in language model on a corpus."""
+    say = (lambda m: None) if quiet else (lambda m: log(env, m))
+    if isinstance(given, (UserTask, LMTask, FinetuneTask)):
+        return given
+    if isinstance(given, FinetuneRecords) or cfg.data.format in FINETUNE_FORMATS:
+        task = FinetuneTask.prepare(cfg, given)
+        for note in task.notes:
+            say(note)
+        return task
+    return LMTask.prepare(cfg, env, say)
 
 
 def plan_on_ranks(cfg: TrainConfig, env: DistEnv, task: Task) -> RunPlan:

@@ -139,15 +139,7 @@ class LMTask:
 
     def loss(self, model: nn.Module, batch: dict, device: torch.device,
              amp: ContextManager) -> tuple[torch.Tensor, int]:
-        """(sum of token losses, counted tokens) for one micro-batch."""
-        batch = to_device(batch, device)
-        idx, targets = batch["input_ids"], batch["targets"]  # (B, T), (B, T)
-        with amp:
-            out = model(idx, attention_mask=batch.get("attention_mask"))
-        logits = out.logits if hasattr(out, "logits") else out  # (B, T, V); HF returns an object
-        s = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                            ignore_index=IGNORE_INDEX, reduction="sum")
-        return s, int((targets != IGNORE_INDEX).sum())
+        return token_loss(model, batch, device, amp)
 
     def describe(self, n_params: int) -> str:
         return f"model {self.args.arch}: {human_count(n_params)} parameters"
@@ -183,6 +175,20 @@ class LMTask:
             save_hf(model, out_dir, state, self.tokenizer_path)
         else:
             save_model(out_dir, state, self.args.to_dict(), self.tokenizer_path)
+
+
+def token_loss(model: nn.Module, batch: dict, device: torch.device,
+               amp: ContextManager) -> tuple[torch.Tensor, int]:
+    """(sum of token losses, counted tokens) for one micro-batch of next-token targets
+    (IGNORE_INDEX where not counted: pads, prompts)."""
+    batch = to_device(batch, device)
+    idx, targets = batch["input_ids"], batch["targets"]  # (B, T), (B, T)
+    with amp:
+        out = model(idx, attention_mask=batch.get("attention_mask"))
+    logits = out.logits if hasattr(out, "logits") else out  # (B, T, V); HF returns an object
+    s = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                        ignore_index=IGNORE_INDEX, reduction="sum")
+    return s, int((targets != IGNORE_INDEX).sum())
 
 
 def check_picklable(**objects: Any) -> None:

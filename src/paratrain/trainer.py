@@ -22,10 +22,11 @@ from .dist import DistEnv, restart_attempt
 from .errors import ConfigError
 from .nodes import join_nodes
 from .parallel import processes_per_node
-from .rank import run_rank
+from .rank import prepare_task, run_rank
 from .rundir import check_run_dir
 from .runplan import RunPlan, auto_choice, make_plan
-from .task import LMTask, check_picklable
+from .finetune_task import FinetuneRecords
+from .task import check_picklable
 from .user_task import UserTask
 
 
@@ -48,7 +49,14 @@ class Trainer:
                 fsdp_wrap=[MyBlock], devices="cpu:2", strategy="fsdp", max_steps=100).fit()
 
     `model` is a factory (called inside each worker, so nothing large is pickled); without
-    `loss_fn` the model must return its loss. Keyword arguments set `trainer.*` and `optim.*`
+    `loss_fn` the model must return its loss. Or fine-tune a pretrained Hugging Face model, given
+    as its local directory, on input->output pairs (the loss counts the outputs only):
+
+        Trainer(model="path/to/hf_model", train_input=[...], train_output=[...],
+                validation_input=[...], validation_output=[...], devices="cpu:2").fit()
+
+    (`train_data=` may instead be a .jsonl / .parquet / .csv path, or a list of
+    {"input", "output"} or {"messages"} records.) Keyword arguments set `trainer.*` and `optim.*`
     keys by name (devices=, strategy=, batch_size=, lr=, ...), plus `run_dir=`, `run_name=`,
     `overwrite=`; `distributed_config={...}` sets `distributed.*`; `overrides=[...]` takes
     dotted keys."""
@@ -57,12 +65,25 @@ class Trainer:
                  model: Optional[Callable[[], nn.Module]] = None, train_data: Any = None,
                  val_data: Any = None, loss_fn: Optional[Callable] = None,
                  collate_fn: Optional[Callable] = None, fsdp_wrap: Sequence[type] = (),
-                 distributed_config: Optional[dict] = None, **kwargs: Any):
-        if (model is None) != (train_data is None):
+                 distributed_config: Optional[dict] = None,
+                 train_input: Optional[Sequence[str]] = None,
+                 train_output: Optional[Sequence[str]] = None,
+                 validation_input: Optional[Sequence[str]] = None,
+                 validation_output: Optional[Sequence[str]] = None, **kwargs: Any):
+        finetune: list[str] = []
+        self.given: Any = None
+        if isinstance(model, (str, Path)):  # a pretrained Hugging Face model directory
+            self.given, finetune = _finetune_records(
+                str(model), train_data, val_data, train_input, train_output, validation_input,
+                validation_output)
+        elif (model is None) != (train_data is None):
             raise ConfigError("pass model= (a factory returning an nn.Module) and train_data= (a "
                               "map-style dataset) together, or neither")
         if cfg is None:
-            cfg = TrainConfig.from_yaml(None, ["run.name=custom"] if model is not None else [])
+            cfg = TrainConfig.from_yaml(None, finetune or (["run.name=custom"]
+                                                           if model is not None else []))
+        elif finetune:
+            cfg = cfg.with_overrides(finetune)
         sections = {**{k: "trainer" for k in TrainConfig().trainer.__dataclass_fields__},
                     **{k: "optim" for k in TrainConfig().optim.__dataclass_fields__},
                     "run_dir": "run.dir", "run_name": "run.name", "overwrite": "run.overwrite"}
@@ -76,8 +97,9 @@ class Trainer:
         for k, v in (distributed_config or {}).items():
             dotted.append(f"distributed.{k}={_dot_value(v)}")
         self.cfg = cfg.with_overrides(dotted) if dotted else cfg
-        self.user = None if model is None else UserTask(
-            model, train_data, val_data, loss_fn, collate_fn, tuple(fsdp_wrap))
+        if self.given is None and model is not None:
+            self.given = UserTask(model, train_data, val_data, loss_fn, collate_fn,
+                                  tuple(fsdp_wrap))
 
     def fit(self) -> RunResult:
         cfg = self.cfg
@@ -86,52 +108,58 @@ class Trainer:
             env = launch.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
                                          cfg.distributed.timeout_s)
             return _result(run_rank(cfg, dataclasses.replace(env, attempt=restart_attempt()),
-                                    task=self.user))
+                                    given=self.given))
         devices = launch.parse_devices(cfg.trainer.devices)
         d = cfg.distributed
         # Everything a user can get wrong is checked here, before a single worker starts.
-        if self.user is not None:
-            check_picklable(model=self.user.model_factory, train_data=self.user.train_ds,
-                            val_data=self.user.val_ds, loss_fn=self.user.loss_fn,
-                            collate_fn=self.user.collate_fn)
+        if isinstance(self.given, UserTask):
+            u = self.given
+            check_picklable(model=u.model_factory, train_data=u.train_ds, val_data=u.val_ds,
+                            loss_fn=u.loss_fn, collate_fn=u.collate_fn)
         if d.node_rank == 0:  # only node 0 writes outputs
             check_run_dir(cfg)
         nproc = processes_per_node(cfg.trainer.strategy, len(devices))
         if nproc == 1 and d.nnodes == 1:  # one process: train right here
             env = DistEnv.single(devices[0])
-            task = self.user or LMTask.prepare(cfg, env, lambda m: log(env, m))
+            task = prepare_task(cfg, env, self.given)
             plan = make_plan(cfg, task, devices=devices, world_size=1, local_world_size=1)
             return _result(run_rank(cfg, env, plan, task))
         with join_nodes(d.master_addr, d.master_port, d.nnodes, d.node_rank, nproc,
                         d.timeout_s, config=cfg.to_dict(), rdzv=d.rdzv) as nodes:
             node_env = DistEnv(node_rank=d.node_rank)  # logs on node 0 only
             # node 0 first: a cache in a shared directory is built once, then reused
-            task = self.user or nodes.first_then_others(
-                "data", lambda: LMTask.prepare(cfg, node_env, lambda m: log(node_env, m)))
+            task = nodes.first_then_others("data", lambda: prepare_task(cfg, node_env,
+                                                                       self.given))
             world = nproc * d.nnodes
             choice = nodes.decided_by_node0("plan", lambda: auto_choice(
                 cfg, task, world_size=world, device=devices[0], local_world_size=nproc))
             plan = make_plan(cfg, task, devices=devices, world_size=world,
                              local_world_size=nproc, choice=choice,
                              ranks_on_host=nodes.ranks_on_host)
-            results = nodes.launch(worker_entry, (plan, self.user),
+            results = nodes.launch(worker_entry, (plan, self.given),
                                    max_restarts=d.max_restarts)
         return _result(results[min(results)])
 
 
-def worker_entry(plan: RunPlan, user: Optional[UserTask] = None) -> dict:
+def worker_entry(plan: RunPlan, given: Any = None) -> dict:
     """One worker started by the elastic agent (pickled by name, so it lives at module level)."""
     from torch.distributed.elastic.multiprocessing.errors import record
-    return record(_worker_main)(plan, user)
+    try:
+        return record(_worker_main)(plan, given)
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the rank has cleaned
+        import os  # up (finally blocks ran): leave now, not after joining a snapshot thread
+        import sys  # or a slow interpreter shutdown; the launcher says where it stopped
+        sys.stderr.flush()
+        os._exit(130)
 
 
-def _worker_main(plan: RunPlan, user: Optional[UserTask]) -> dict:
+def _worker_main(plan: RunPlan, given: Any) -> dict:
     cfg = plan.cfg
     launcher = launch.detect_launcher()
     assert launcher is not None, "worker_entry runs under the elastic agent"
     env = launch.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
                                  cfg.distributed.timeout_s, devices=list(plan.devices))
-    return run_rank(cfg, dataclasses.replace(env, attempt=restart_attempt()), plan, user)
+    return run_rank(cfg, dataclasses.replace(env, attempt=restart_attempt()), plan, given)
 
 
 def _result(out: dict) -> RunResult:
@@ -139,6 +167,32 @@ def _result(out: dict) -> RunResult:
     return RunResult(run_dir=Path(out["run_dir"]), final_loss=s.get("final_loss"),
                      val_loss=s.get("val_loss"), steps=s.get("steps", 0), summary=s,
                      is_master=out["is_master"])
+
+
+def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: Any
+                      ) -> tuple[Optional[FinetuneRecords], list[str]]:
+    """Trainer(model="DIR", ...): (the records to send to the workers, or None when they are
+    read from data.source; the config overrides that say so)."""
+    from .data.records import read_rows, rows_from_lists
+    train_input, train_output, val_input, val_output = lists
+    over = ["model.arch=hf", f"model.path={model_dir}", "run.name=finetune"]
+    if train_input is not None or train_output is not None:
+        train = rows_from_lists(train_input or [], train_output or [], what="train")
+        val = rows_from_lists(val_input or [], val_output or [], what="validation") \
+            if val_input is not None or val_output is not None else None
+        return FinetuneRecords(train, val), over + ["data.format=pairs"]
+    if train_data is None:
+        raise ConfigError("Trainer(model=DIR) fine-tunes on train_input=[...] and "
+                          "train_output=[...], or train_data= (a .jsonl / .parquet / .csv path "
+                          "or a list of records)")
+    if isinstance(train_data, (str, Path)):
+        over += [f"data.source={train_data}"] + ([f"data.val_source={val_data}"]
+                                                 if isinstance(val_data, (str, Path)) else [])
+        return None, over + ["data.format=pairs"]
+    train = read_rows(train_data, what="train_data")
+    val = read_rows(val_data, what="val_data") if val_data is not None else None
+    chat = bool(train) and isinstance(train[0], dict) and "messages" in train[0]
+    return FinetuneRecords(train, val), over + [f"data.format={'chat' if chat else 'pairs'}"]
 
 
 def _dot_value(v: Any) -> str:

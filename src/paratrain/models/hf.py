@@ -54,3 +54,39 @@ def save_hf(model: nn.Module, out_dir: Path, state: dict, tokenizer_path: Option
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         if tokenizer_path is not None:
             shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+
+
+def is_hf_folder(model_dir: Path) -> bool:
+    """A `from_pretrained` folder (its config.json names a model_type), not one of ours."""
+    import json
+    try:
+        return "model_type" in json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def generate_hf(model_dir: Path, prompt: str, *, chat: bool, max_new_tokens: int,
+                temperature: float, top_k: Optional[int], seed: int, device: str) -> str:
+    """Continue `prompt` with a fine-tuned Hugging Face model (local files only). `chat`: the
+    run trained on chat data, so the prompt is a user turn rendered with its chat template."""
+    import torch
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, local_files_only=True, use_safetensors=True).to(device).eval()
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise ConfigError("--prompt encodes to no tokens; give some text")
+    torch.manual_seed(seed)
+    idx = torch.tensor([ids], device=device)  # (1, T0)
+    sample = temperature > 0
+    out = model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=max_new_tokens,
+                         do_sample=sample, temperature=temperature if sample else None,
+                         top_k=top_k if sample else None,
+                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return prompt + tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)

@@ -1,0 +1,159 @@
+"""Fine-tuning a pretrained model, end to end and offline: pretrain a tiny Llama with paratrain,
+export it to Hugging Face format, fine-tune the export on input->output pairs from the standard
+library (a function's signature -> the first line of its docstring) with 2 CPU workers, then load
+and generate. Plus: the loss counts only output tokens, 1 and 2 workers give the same run, the
+Python API, and bad input (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, corpus_dir, cache_dir) -> Path:
+    """A tiny Llama pretrained here (40 steps), exported as a LlamaForCausalLM folder."""
+    tmp = tmp_path_factory.mktemp("pretrained")
+    r = run_cli(["train"] + tiny_overrides(corpus_dir, cache_dir, **{
+        "data.seq_length": 64, "trainer.max_steps": 40, "trainer.devices": "cpu:2",
+        "run.dir": str(tmp / "run"), "trainer.log_every": 10}), cwd=tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli(["checkpoint", "export", str(tmp / "run"), str(tmp / "hf"), "--format", "hf"],
+                cwd=tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "hf"
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> tuple[Path, Path]:
+    from paratrain.data.stdlib_pairs import stdlib_pairs
+    tmp = tmp_path_factory.mktemp("pairs")
+    rows = stdlib_pairs(400)
+    for name, part in (("train.jsonl", rows[:320]), ("val.jsonl", rows[320:])):
+        (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    return tmp / "train.jsonl", tmp / "val.jsonl"
+
+
+def _finetune_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:
+    base = {"model.arch": "hf", "model.path": str(model), "data.format": "pairs",
+            "data.source": str(train), "data.val_source": str(val), "data.max_length": 64,
+            "trainer.devices": "cpu:2", "trainer.batch_size": 4,
+            "trainer.global_batch_size": 16, "trainer.max_steps": 40, "trainer.log_every": 10,
+            "trainer.eval_every": 1000, "trainer.progress_bar": "false", "optim.lr": 3e-3,
+            "optim.warmup_steps": 5, "distributed.timeout_s": 60, "run.dir": str(run_dir)}
+    base.update(extra)
+    return ["train"] + [f"{k}={v}" for k, v in base.items()]
+
+
+def _val_loss_on_outputs(model_dir: Path, val: Path) -> float:
+    """The model's mean loss over the output tokens of the validation pairs, measured here with
+    transformers (the same encoding and masking as training)."""
+    import contextlib
+
+    import transformers
+
+    from paratrain.data.finetune import PadCollate, encode_pairs
+    from paratrain.data.hf_tokenizer import load_tokenizer
+    from paratrain.data.records import read_rows
+    from paratrain.task import token_loss
+    tok, _ = load_tokenizer(model_dir)
+    examples, _ = encode_pairs(read_rows(str(val), what="val"), tok, max_length=64,
+                               chat_template="auto")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    model.eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for i in range(0, len(examples), 16):
+            s, n = token_loss(model, PadCollate(tok.pad_token_id)(examples[i:i + 16]),
+                              torch.device("cpu"), contextlib.nullcontext())
+            total, count = total + float(s), count + n
+    return total / count
+
+
+def test_pretrain_export_finetune_generate(tmp_path, pretrained, pairs):
+    train, val = pairs
+    before = _val_loss_on_outputs(pretrained, val)
+    run_dir = tmp_path / "ft"
+    r = run_cli(_finetune_args(pretrained, train, val, run_dir), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("train.jsonl: 320 rows ->") == 1  # what encoding did, said once
+    s = read_summary(run_dir)
+    after = _val_loss_on_outputs(run_dir / "model", val)
+    assert after < 0.85 * before, (before, after)
+    assert s["val_loss"] == pytest.approx(after, rel=1e-4)  # the run measured the same thing
+    # the model's own tokenizer, carried unchanged
+    assert (run_dir / "model" / "tokenizer.json").read_bytes() == \
+        (pretrained / "tokenizer.json").read_bytes()
+    g = run_cli(["generate", str(run_dir), "--prompt", "def read(self, size):",
+                 "--max-new-tokens", "8"], cwd=tmp_path)
+    assert g.returncode == 0, g.stderr[-2000:]
+    assert g.stdout.startswith("def read(self, size):")
+
+
+def test_one_and_two_workers_give_the_same_losses(tmp_path, pretrained, pairs):
+    """Padded to each micro-batch's longest, prompts and pads masked: the token-weighted loss
+    does not depend on how the global batch was split."""
+    train, val = pairs
+    losses = {}
+    for devices, batch in (("cpu", 8), ("cpu:2", 4), ("cpu:2", 2)):
+        run_dir = tmp_path / f"{devices.replace(':', '')}-{batch}"
+        r = run_cli(_finetune_args(pretrained, train, val, run_dir, **{
+            "trainer.devices": devices, "trainer.batch_size": batch,
+            "trainer.global_batch_size": 8, "trainer.max_steps": 10, "trainer.log_every": 1,
+            "trainer.strategy": "auto"}), cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses[(devices, batch)] = [m["loss"] for m in read_metrics(run_dir)]
+    one = losses[("cpu", 8)]
+    assert len(one) == 10
+    for key, other in losses.items():
+        assert max(abs(a - b) for a, b in zip(one, other)) < 1e-5, (key, one, other)
+
+
+def test_python_api_fine_tunes_on_lists(tmp_path, pretrained, monkeypatch):
+    from paratrain import Trainer
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    inputs = [f"def f{i}(x):" for i in range(48)]
+    outputs = [f"Return x plus {i}." for i in range(48)]
+    result = Trainer(model=str(pretrained), train_input=inputs, train_output=outputs,
+                     validation_input=inputs[:8], validation_output=outputs[:8],
+                     devices="cpu:2", max_steps=6, batch_size=4, log_every=2, lr=3e-3,
+                     progress_bar=False, run_dir=str(tmp_path / "api")).fit()
+    assert result.val_loss is not None and result.steps == 6
+    assert (tmp_path / "api" / "model" / "model.safetensors").is_file()
+    assert read_summary(tmp_path / "api")["world_size"] == 2
+
+
+def test_bad_fine_tuning_input_is_one_line_and_exit_2(tmp_path, pretrained, pairs):
+    train, val = pairs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input": "a", "output": "b"}\n{"input": "c", "output": "d"}\n'
+                   '{"input": "e", "answer": "f"}\n')
+    r = run_cli(_finetune_args(pretrained, bad, val, tmp_path / "r1"), cwd=tmp_path)
+    assert r.returncode == 2
+    assert "bad.jsonl" in r.stderr and "row 3" in r.stderr and "output" in r.stderr
+    r = run_cli(_finetune_args(pretrained, train, val, tmp_path / "r2",
+                               **{"model.arch": "llama"}), cwd=tmp_path)
+    assert r.returncode == 2 and "model.arch=hf" in r.stderr
+    encdec = tmp_path / "t5"
+    encdec.mkdir()
+    (encdec / "config.json").write_text(json.dumps({"model_type": "t5",
+                                                    "is_encoder_decoder": True}))
+    r = run_cli(_finetune_args(encdec, train, val, tmp_path / "r3"), cwd=tmp_path)
+    assert r.returncode == 2 and "encoder-decoder" in r.stderr
+    notok = tmp_path / "no-tokenizer"
+    notok.mkdir()
+    (notok / "config.json").write_text((pretrained / "config.json").read_text())
+    r = run_cli(_finetune_args(notok, train, val, tmp_path / "r4"), cwd=tmp_path)
+    assert r.returncode == 2 and "data.tokenizer" in r.stderr
+    for res in [r]:
+        assert "Traceback" not in res.stderr
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r4").exists()
