@@ -36,6 +36,16 @@ class RunConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (via peft) on a Hugging Face model: r=0 trains every weight."""
+    r: int = 0  # rank of the adapters; 0: off (full fine-tuning)
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: List[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
 class ModelConfig:
     arch: str = "llama"  # llama | gpt | hf (a local Hugging Face causal LM at model.path)
     path: Optional[str] = None  # hf: a directory with config.json (and optionally weights)
@@ -51,6 +61,7 @@ class ModelConfig:
     dropout: float = 0.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    lora: LoraConfig = field(default_factory=LoraConfig)  # hf models: adapters instead of weights
 
 
 @dataclass
@@ -109,7 +120,8 @@ class OptimConfig:
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None  # default: <run.dir>/checkpoints
-    every_steps: int = 0  # 0: no snapshots; N: every N steps and at each epoch end
+    every_steps: int = 0  # 0: none; N: a snapshot after every N optimizer steps
+    at_epoch_end: bool = False  # also one after each epoch's last step (every_steps=0: only then)
     keep_last: int = 2
     resume: str = "auto"  # auto | never | a snapshot folder (step-NNNNNNN)
     async_save: bool = True  # write in the background; false: the loop waits for the write
@@ -307,6 +319,9 @@ def _check_data_format(cfg: TrainConfig) -> None:
                               f"model: set model.arch=hf model.path=DIR (got model.arch="
                               f"{cfg.model.arch}); export one of ours with `paratrain "
                               "checkpoint export RUN_DIR OUT --format hf`")
+        if cfg.model.lora.r < 0 or not cfg.model.lora.target_modules:
+            raise ConfigError("model.lora.r must be >= 0 (0: off) and model.lora.target_modules "
+                              "a non-empty list of module names")
         if d.max_length < 2:
             raise ConfigError(f"data.max_length={d.max_length} must be at least 2")
         if d.tokenizer not in TOKENIZERS and not Path(d.tokenizer).expanduser().is_dir():
@@ -314,6 +329,9 @@ def _check_data_format(cfg: TrainConfig) -> None:
                               "tokenizer saved with save_pretrained, or leave it unset to use "
                               "model.path's")
         return
+    if cfg.model.lora.r:
+        raise ConfigError("model.lora applies to a pretrained Hugging Face model being "
+                          "fine-tuned: use model.arch=hf with data.format=pairs or chat")
     if d.tokenizer not in TOKENIZERS:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not one of: "
                           f"{', '.join(TOKENIZERS)} (a pretrained tokenizer directory works "

@@ -107,12 +107,18 @@ class FinetuneTask:
         from .data.finetune import PadCollate
         return PadCollate(self.tokenizer.pad_token_id)
 
+    @property
+    def lora(self) -> bool:
+        return self.cfg.model.lora.r > 0
+
     def build_model(self) -> nn.Module:
+        """The pretrained model (with LoRA adapters and its base frozen, when asked)."""
+        from .lora import apply_lora
         from .models.hf import HFArgs, build_hf
         model = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer)))
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
-        return model
+        return apply_lora(model, self.cfg.model.lora) if self.lora else model
 
     def count_units(self, batch: dict) -> int:
         return int((batch["targets"] != IGNORE_INDEX).sum())
@@ -145,12 +151,21 @@ class FinetuneTask:
 
     def save(self, model: nn.Module, out_dir: Path, state: dict) -> None:
         """A `from_pretrained` folder (safetensors) with the tokenizer's files copied as they
-        are, written atomically like every output."""
+        are, written atomically like every output; with LoRA, the merged model there and the
+        adapter alone in adapter/ next to it."""
+        if self.lora:
+            from .lora import ADAPTER_DIR, save_lora
+            save_lora(self.build_model(), state, out_dir, out_dir.parent / ADAPTER_DIR,
+                      self._copy_tokenizer)
+            return
         with atomic_dir(out_dir) as tmp:
             model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-            for name in TOKENIZER_FILES:
-                if (self.tokenizer_dir / name).is_file():
-                    shutil.copyfile(self.tokenizer_dir / name, tmp / name)
+            self._copy_tokenizer(tmp)
+
+    def _copy_tokenizer(self, folder: Path) -> None:
+        for name in TOKENIZER_FILES:
+            if (self.tokenizer_dir / name).is_file():
+                shutil.copyfile(self.tokenizer_dir / name, folder / name)
 
 
 def quiet_transformers() -> None:

@@ -53,9 +53,9 @@ def _finetune_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) 
     return ["train"] + [f"{k}={v}" for k, v in base.items()]
 
 
-def _val_loss_on_outputs(model_dir: Path, val: Path) -> float:
+def _val_loss_on_outputs(model_dir: Path, val: Path, model=None) -> float:
     """The model's mean loss over the output tokens of the validation pairs, measured here with
-    transformers (the same encoding and masking as training)."""
+    transformers (the same encoding and masking as training). `model`: one already loaded."""
     import contextlib
 
     import transformers
@@ -67,7 +67,9 @@ def _val_loss_on_outputs(model_dir: Path, val: Path) -> float:
     tok, _ = load_tokenizer(model_dir)
     examples, _ = encode_pairs(read_rows(str(val), what="val"), tok, max_length=64,
                                chat_template="auto")
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                  local_files_only=True)
     model.eval()
     total = count = 0.0
     with torch.no_grad():
@@ -157,3 +159,49 @@ def test_bad_fine_tuning_input_is_one_line_and_exit_2(tmp_path, pretrained, pair
     for res in [r]:
         assert "Traceback" not in res.stderr
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r4").exists()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_trains_adapters_only_and_reloads_with_peft(tmp_path, pretrained, pairs, strategy):
+    peft = pytest.importorskip("peft")
+    import transformers
+    from safetensors.torch import load_file
+    train, val = pairs
+    common = {"trainer.max_steps": 20, "trainer.log_every": 1, "optim.lr": 1e-2,
+              "trainer.strategy": strategy}
+    run_dir = tmp_path / "lora"
+    r = run_cli(_finetune_args(pretrained, train, val, run_dir, **common,
+                               **{"model.lora.r": 8}), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [m["loss"] for m in read_metrics(run_dir)]
+    assert sum(losses[-3:]) < sum(losses[:3]) - 0.05, losses  # the adapters learn
+    # frozen: every weight LoRA does not touch is bitwise the pretrained one in the merged model
+    base = load_file(str(pretrained / "model.safetensors"))
+    merged = load_file(str(run_dir / "model" / "model.safetensors"))
+    adapted = ("q_proj", "k_proj", "v_proj", "o_proj")
+    untouched = [k for k in base if not any(a in k for a in adapted)]
+    assert untouched and all(torch.equal(base[k], merged[k]) for k in untouched)
+    assert any(not torch.equal(base[k], merged[k]) for k in base if "q_proj" in k)
+    # adapter/ reloads with peft on the base model and reproduces the run's validation loss
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
+    with_adapter = peft.PeftModel.from_pretrained(fresh, run_dir / "adapter")
+    s = read_summary(run_dir)
+    assert _val_loss_on_outputs(pretrained, val, with_adapter) == \
+        pytest.approx(s["val_loss"], abs=1e-4)
+    # optimizer state per rank: adapters only
+    full_dir = tmp_path / "full"
+    r = run_cli(_finetune_args(pretrained, train, val, full_dir, **common), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lora_opt = s["memory"][0]["optimizer_bytes"]
+    full_opt = read_summary(full_dir)["memory"][0]["optimizer_bytes"]
+    assert lora_opt <= 0.05 * full_opt, (lora_opt, full_opt)
+
+
+def test_lora_target_modules_matching_nothing_lists_names(tmp_path, pretrained, pairs):
+    pytest.importorskip("peft")
+    train, val = pairs
+    r = run_cli(_finetune_args(pretrained, train, val, tmp_path / "r", **{
+        "model.lora.r": 4, "model.lora.target_modules": "[nope]"}), cwd=tmp_path)
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert "model.lora.target_modules" in line and "q_proj" in line, r.stderr[-2000:]
