@@ -7,12 +7,13 @@ Python API, and bad input (one line, exit 2)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
+from tests.conftest import REPO, read_metrics, read_summary, run_cli, tiny_overrides
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -205,3 +206,13 @@ def test_lora_target_modules_matching_nothing_lists_names(tmp_path, pretrained, 
     assert r.returncode == 2
     line = r.stderr.strip().splitlines()[-1]
     assert "model.lora.target_modules" in line and "q_proj" in line, r.stderr[-2000:]
+
+
+def test_finetune_example_runs_with_lora(tmp_path, pretrained):
+    pytest.importorskip("peft")
+    r = run_cli([str(REPO / "examples" / "finetune.py"), str(pretrained), "--pairs", "120",
+                 "--steps", "6", "--run-dir", str(tmp_path / "run")], cwd=tmp_path,
+                timeout=240, launcher=[sys.executable])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "validation loss" in r.stdout and "adapter" in r.stdout
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
