@@ -13,18 +13,16 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-import torch
 from torch import nn
 
 from .config import TrainConfig
-from .data.dataset import IGNORE_INDEX
 from .data.tokenizer import TOKENIZER_FILE
 from .errors import ConfigError
 from .fileio import atomic_dir
 from .formatting import human_count
-from .task import MemoryProbe, token_loss
+from .task import MemoryProbe, TokenLoss
 
 # what a tokenizer saved with save_pretrained may consist of: copied as they are into model/
 TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
@@ -41,8 +39,9 @@ class FinetuneRecords:
 
 
 @dataclass
-class FinetuneTask:
-    """A pretrained causal LM on encoded pairs / chat records (see module docstring)."""
+class FinetuneTask(TokenLoss):
+    """A pretrained causal LM on encoded pairs / chat records (see module docstring); the loss
+    unit is an answer token."""
     cfg: TrainConfig
     tokenizer: Any
     train_ds: Any
@@ -119,14 +118,6 @@ class FinetuneTask:
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         return apply_lora(model, self.cfg.model.lora) if self.lora else model
-
-    def count_units(self, batch: dict) -> int:
-        return int((batch["targets"] != IGNORE_INDEX).sum())
-
-    def loss(self, model: nn.Module, batch: dict, device: torch.device,
-             amp: ContextManager) -> tuple[torch.Tensor, int]:
-        """(sum of answer-token losses, answer tokens): the same token loss as pretraining."""
-        return token_loss(model, batch, device, amp)
 
     def describe(self, n_params: int) -> str:
         return (f"model hf ({self.cfg.model.path}): {human_count(n_params)} parameters; "

@@ -83,8 +83,20 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+class TokenLoss:
+    """For tasks whose batches carry next-token `targets` (IGNORE_INDEX where not counted): the
+    loss is summed over counted tokens, and those tokens are the loss unit."""
+
+    def count_units(self, batch: dict) -> int:
+        return int((batch["targets"] != IGNORE_INDEX).sum())
+
+    def loss(self, model: nn.Module, batch: dict, device: torch.device,
+             amp: ContextManager) -> tuple[torch.Tensor, int]:
+        return token_loss(model, batch, device, amp)
+
+
 @dataclass
-class LMTask:
+class LMTask(TokenLoss):
     """A language model on a tokenized corpus (the data cache built by data/cache.py)."""
     cfg: TrainConfig
     prepared: Any  # data.PreparedData
@@ -133,13 +145,6 @@ class LMTask:
     def units_per_sample(self) -> Optional[int]:
         """Packed windows count every token; padded rows ignore their pads (count per batch)."""
         return self.cfg.data.seq_length if self.cfg.data.format == "packed" else None
-
-    def count_units(self, batch: dict) -> int:
-        return int((batch["targets"] != IGNORE_INDEX).sum())
-
-    def loss(self, model: nn.Module, batch: dict, device: torch.device,
-             amp: ContextManager) -> tuple[torch.Tensor, int]:
-        return token_loss(model, batch, device, amp)
 
     def describe(self, n_params: int) -> str:
         return f"model {self.args.arch}: {human_count(n_params)} parameters"

@@ -17,7 +17,6 @@ from torch import nn
 
 from . import launch
 from .config import TrainConfig
-from .console import log
 from .dist import DistEnv, restart_attempt
 from .errors import ConfigError
 from .nodes import join_nodes

@@ -106,7 +106,7 @@ def test_jsonl_missing_field_and_bad_line(tmp_path):
     with pytest.raises(DataError, match=r"data.source=.*no field 'text'.*data.text_field"):
         list(resolve_corpus(str(f)).documents())
     f.write_text('{"text": "ok"}\n{"text": oops}\n')
-    with pytest.raises(DataError, match=r"data.source=.*d.jsonl:2 is not valid JSON"):
+    with pytest.raises(DataError, match=r"data.source=.*d.jsonl: line 2 is not valid JSON"):
         list(resolve_corpus(str(f)).documents())
 
 

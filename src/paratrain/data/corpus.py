@@ -8,7 +8,6 @@ Every mistake a user can make in `data.source` becomes one DataError line saying
 from __future__ import annotations
 
 import glob as _glob
-import gzip
 import hashlib
 import json
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ..errors import DataError
+from .records import iter_jsonl
 
 # Suffixes we read as plain text when `data.source` is a directory (a glob takes what it matches).
 TEXT_SUFFIXES = frozenset({
@@ -82,17 +82,8 @@ class Corpus:
             yield from reader[self.kind](path)
 
     def _read_jsonl(self, path: str) -> Iterator[str]:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"data.source={self.source!r}: {path}:{lineno} is not valid "
-                                    f"JSON ({e.msg}); fix or remove that line") from None
-                yield self._field(record, f"{path}:{lineno}")
+        for lineno, record in iter_jsonl(path, f"data.source={self.source!r}: {path}"):
+            yield self._field(record, f"{path}:{lineno}")
 
     def _field(self, record: object, where: str) -> str:
         if not isinstance(record, dict) or self.text_field not in record:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, List, Tuple
 
 from ..errors import ConfigError, DataError
+from ..formatting import first_line
 
 # Files any one of which makes a directory loadable by AutoTokenizer.from_pretrained.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
@@ -49,8 +50,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tuple[Any, str]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"cannot load the tokenizer in {path} ({first_line}); check that it "
+        raise ConfigError(f"cannot load the tokenizer in {path} ({first_line(e)}); check that it "
                           "was saved with save_pretrained, or pass data.tokenizer=DIR") from None
     note = ""
     if tokenizer.pad_token is None:
@@ -131,7 +131,7 @@ def render_chat(tokenizer: Any, messages: List[dict], add_generation_prompt: boo
         if not type(e).__module__.startswith("jinja2"):
             raise
         # e.g. raise_exception('System role not supported') in the template itself
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        reason = first_line(e)
         raise DataError(f"{where}: the chat template rejects this conversation ({reason}); fix "
                         "the row, drop data.system_prompt, or pass data.chat_template=PATH"
                         ) from None

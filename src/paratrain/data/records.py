@@ -13,7 +13,7 @@ import gzip
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Iterator, List, Sequence
 
 from ..errors import ConfigError, DataError
 
@@ -79,23 +79,29 @@ def _path_rows(source: str, what: str) -> List[Row]:
     raise DataError(f"{what}={source!r} has an unknown suffix; {_FORMATS_HELP}")
 
 
-def _jsonl_rows(path: Path, source: str, what: str) -> List[Row]:
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
+def iter_jsonl(path: str | Path, where: str) -> Iterator[tuple[int, Any]]:
+    """(line number, JSON value) of each non-blank line of a .jsonl (or .jsonl.gz) file; a line
+    that is not JSON is a DataError naming `where` and the line. Corpora read it too."""
+    opener = gzip.open if str(path).lower().endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{what}={source!r}: line {lineno} is not valid JSON ({e.msg}); "
-                                "fix or remove that line") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{what}={source!r}: line {lineno} is a JSON "
-                                f"{type(record).__name__}, not an object; write one object "
-                                "per line")
-            rows.append(record)
+                raise DataError(f"{where}: line {lineno} is not valid JSON ({e.msg}); fix or "
+                                "remove that line") from None
+
+
+def _jsonl_rows(path: Path, source: str, what: str) -> List[Row]:
+    rows = []
+    for lineno, record in iter_jsonl(path, f"{what}={source!r}"):
+        if not isinstance(record, dict):
+            raise DataError(f"{what}={source!r}: line {lineno} is a JSON "
+                            f"{type(record).__name__}, not an object; write one object "
+                            "per line")
+        rows.append(record)
     return rows
 
 
