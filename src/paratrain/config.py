@@ -72,6 +72,8 @@ class DataConfig:
     vocab_size: int = 4096  # BPE vocabulary to train
     tokenizer: str = "bpe"  # bpe | char | DIR: a pretrained tokenizer (pairs / chat)
     format: str = "packed"  # packed | padded | pairs (input->output) | chat (messages)
+    padded_overflow: str = "truncate"  # padded: a document longer than seq_length is cut to
+    # one row (truncate: the rest is dropped) or continues in as many rows as it needs (split)
     input_field: str = "input"  # pairs: the prompt's field (jsonl / parquet / csv / datasets)
     output_field: str = "output"  # pairs: the answer's field; the loss counts only its tokens
     messages_field: str = "messages"  # chat: [{role, content}, ...]; loss on assistant turns
@@ -104,6 +106,9 @@ class TrainerConfig:
     cpu_offload: bool = False  # fsdp: keep parameters, gradients and optimizer state in RAM
     reshard_after_forward: bool = True  # fsdp: free full parameters after forward (less memory)
     progress_bar: bool = True
+    early_stopping_patience: Optional[int] = None  # stop after N evaluations without improvement
+    early_stopping_threshold: float = 0.0  # an improvement lowers the validation loss by more
+    keep_best: bool = False  # the output is the weights of the best evaluation, not the last
 
 
 @dataclass
@@ -238,6 +243,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
     _choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
     _choice("data.format", cfg.data.format, FORMATS)
+    _choice("data.padded_overflow", cfg.data.padded_overflow, ("truncate", "split"))
     _check_data_format(cfg)
     _choice("distributed.backend", cfg.distributed.backend, BACKENDS)
     _choice("distributed.rdzv", cfg.distributed.rdzv, ("static", "c10d"))
@@ -255,6 +261,7 @@ def validate(cfg: TrainConfig) -> None:
         "trainer.max_steps": cfg.trainer.max_steps,
         "trainer.global_batch_size": cfg.trainer.global_batch_size,
         "trainer.eval_samples": cfg.trainer.eval_samples,
+        "trainer.early_stopping_patience": cfg.trainer.early_stopping_patience,
         "data.max_bytes": cfg.data.max_bytes,
         "model.hidden_size": cfg.model.hidden_size, "model.num_layers": cfg.model.num_layers,
         "model.num_heads": cfg.model.num_heads, "model.num_kv_heads": cfg.model.num_kv_heads,
@@ -349,6 +356,12 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
     msg = first_line(e)
     if "not in struct" in msg or "Key '" in msg and "not in" in msg:
         return f"unknown config key {key!r}; run `paratrain config show` to list the keys"
+    if key == "trainer.epochs" and "Incompatible value 'None'" in msg:
+        return ("trainer.epochs cannot be null: to train by epochs pass trainer.max_steps=null "
+                "trainer.epochs=N; to train by steps set trainer.max_steps=N (epochs is then "
+                "unused)")
+    if "Incompatible value 'None'" in msg:
+        return f"{key} cannot be null; give it a value (`paratrain config show` lists defaults)"
     if "Value '" in msg and ("could not be converted" in msg or "is not a valid" in msg):
         value = getattr(e, "value", None)
         typ = getattr(e, "ref_type", None) or getattr(e, "object_type", None)

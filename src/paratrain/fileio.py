@@ -22,20 +22,8 @@ def umask() -> int:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Temp file (a name unique to this process) in the same directory, fsync, rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; outputs are for sharing
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write_path(path) as tmp:
+        tmp.write_text(text)
 
 
 def atomic_write_json(path: Path, obj: Any, *, sort_keys: bool = False) -> None:
@@ -74,14 +62,20 @@ def atomic_dir(out_dir: Path) -> Iterator[Path]:
     try:
         tmp.chmod(0o777 & ~umask())  # mkdtemp makes 0700; a model is for sharing
         yield tmp
-        old = out_dir.with_name(f".{out_dir.name}.old.{os.getpid()}")
-        if out_dir.exists():
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move a finished folder onto `dst` by renames (the old one aside first, then dropped)."""
+    dst = Path(dst)
+    old = dst.with_name(f".{dst.name}.old.{os.getpid()}")
+    if dst.exists():
+        dst.rename(old)
+    Path(src).rename(dst)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _jsonable(x: Any) -> Any:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from .config import TrainConfig
 from .console import ProgressBar
 from .data.sampler import EvalSampler, GlobalSampler, SampleRecorder
 from .dist import DistEnv
+from .early_stop import BestTracker
 from .memory import SavedTensorMeter, format_memory_table, gather_memory, local_bytes
 from .metrics import MetricsLog, Throughput
 from .runplan import RunPlan
@@ -40,7 +41,8 @@ class TrainLoop:
 
     def __init__(self, plan: RunPlan, env: DistEnv, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, task: Task, *,
-                 snapshots: Optional[Snapshotter] = None, resumed: Optional[Resumed] = None):
+                 snapshots: Optional[Snapshotter] = None, resumed: Optional[Resumed] = None,
+                 on_best: Optional[Callable[[int], None]] = None):
         cfg = plan.cfg
         self.plan, self.cfg, self.env, self.model = plan, cfg, env, model
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
@@ -51,6 +53,7 @@ class TrainLoop:
         self.step = 0
         self.tokens = 0  # loss units (tokens the loss saw; samples for a user's model)
         self.train_s = 0.0
+        self.step_lr = 0.0  # the learning rate of the last optimizer step
         self.grads_bytes: Optional[int] = None  # measured once, while gradients exist
         self.data_wait_s = 0.0  # time the loop waited for batches: should be ~0
         self.progress = watchdog.Progress()  # where this rank is, for the stalled-rank watchdog
@@ -70,6 +73,10 @@ class TrainLoop:
                               self.micro_batch, task.collate, cfg, env)
         self.snapshots = snapshots
         self.pending_loss = (0.0, 0.0)  # this rank's loss sum and units since the last log line
+        tr = cfg.trainer
+        self.best = BestTracker(tr.early_stopping_patience, tr.early_stopping_threshold)
+        self.on_best = on_best  # called (on every rank) after an evaluation that is the best
+        self.stopped_early: Optional[str] = None  # why the loop stopped before total_steps
         if resumed is not None:
             self._restore(resumed)
 
@@ -80,12 +87,19 @@ class TrainLoop:
         epoch, done = divmod(self.step, self.steps_per_epoch)
         self.sampler.load_state_dict({"epoch": epoch, "seed": self.sampler.seed,
                                       "position": done * self.global_batch // self.env.world_size})
+        # the best evaluation so far is the same on every rank: any rank's copy will do
+        self.best.load_state_dict((resumed.rank or resumed.loop["ranks"][0]).get("best", {}))
         if resumed.rank is not None:
             self.pending_loss = (resumed.rank["loss_sum"], resumed.rank["count"])
         elif self.env.is_master:  # another world size: the window's sums move to rank 0
             ranks = resumed.loop["ranks"]
             self.pending_loss = (sum(r["loss_sum"] for r in ranks),
                                  sum(r["count"] for r in ranks))
+
+    def record_evaluation(self, val_loss: Optional[float]) -> None:
+        """Track the best validation loss; a new best goes to `on_best` (keep_best saves it)."""
+        if self.best.update(self.step, val_loss) and self.on_best is not None:
+            self.on_best(self.step)
 
     def _micro_batches(self) -> Iterator[dict]:
         epoch = self.step // self.steps_per_epoch
@@ -127,10 +141,11 @@ class TrainLoop:
                     loss = env.weighted_mean(loss_sum, count)
                     loss_sum = count = 0.0
                     last = {"step": self.step, "epoch": (self.step - 1) // self.steps_per_epoch,
-                            "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                            "loss": loss, "lr": self.step_lr,
                             "grad_norm": grad_norm, **window.report()}
                     if evaluate:
                         last["val_loss"] = self.evaluate()
+                        self.record_evaluation(last["val_loss"])
                     mlog.write(last)
                     bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}")
                 bar.update(1)
@@ -144,11 +159,16 @@ class TrainLoop:
                 if self.snapshots is not None and self.snapshots.should_save(self.step):
                     # this rank's loss sums since the last log line: the next logged loss
                     # comes out the same after a resume
-                    self.snapshots.save(self.step, {"loss_sum": loss_sum, "count": count})
+                    self.snapshots.save(self.step, {"loss_sum": loss_sum, "count": count,
+                                                    "best": self.best.state_dict()})
                 now = time.perf_counter()
                 self.step_times.append(now - t_step)
                 t_step, c_prev, c_step = now, c_step, time.process_time()
                 self.step_cpu_times.append(c_step - c_prev)
+                if self.best.should_stop:  # early stopping: the same step on every rank
+                    self.stopped_early = self.best.why()
+                    bar.write(f"early stopping at step {self.step}: {self.stopped_early}")
+                    break
         finally:
             self.train_s += time.perf_counter() - t0
             bar.close()
@@ -195,6 +215,7 @@ class TrainLoop:
             self.scaler.update()
         else:
             self.optimizer.step()
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the lr this step used: the one logged
         self.scheduler.step()
         if self.grads_bytes is None:
             self.grads_bytes = local_bytes(p.grad for p in model.parameters())
@@ -223,6 +244,9 @@ class TrainLoop:
         was_training = self.model.training
         self.model.eval()
         total = count = 0.0
+        # a bar on rank 0 when validation lasts more than 2 s (the final one: ~20 s by default)
+        bar = ProgressBar(env, n_batches, enabled=tr.progress_bar, desc="validation",
+                          unit="batch", leave=False, delay_s=2.0)
         for i in range(n_batches):
             idx = mine[i * b:(i + 1) * b]
             if idx:
@@ -232,6 +256,8 @@ class TrainLoop:
                 s, c = 0.0, 0
             total += float(s)
             count += c
+            bar.update(1)
+        bar.close()
         self.model.train(was_training)
         return env.weighted_mean(total, count)
 

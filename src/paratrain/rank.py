@@ -5,6 +5,7 @@ Slurm, where no calling process planned it, the rank plans it here first (`plan_
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from typing import Any, Optional
 
@@ -14,20 +15,22 @@ from . import loggers, optim, watchdog
 from .config import FINETUNE_FORMATS, TrainConfig
 from .console import log
 from .dist import DistEnv
-from .fileio import atomic_write_json
+from .finetune_task import FinetuneRecords, FinetuneTask
+from .fileio import atomic_write_json, replace_dir
 from .loop import TrainLoop
 from .memory import format_memory_table, gather_memory
 from .model_io import MODEL_DIR, full_state_dict
 from .models import count_params
-from .precision import prepare_model
 from .parallel import parallelize
+from .precision import prepare_model
 from .redact import redact_url
 from .rundir import check_run_dir, prepare_run_dir
 from .runplan import RunPlan, auto_choice, make_plan
 from .snapshotter import Resumed, Snapshotter
-from .finetune_task import FinetuneRecords, FinetuneTask
 from .task import LMTask, Task
 from .user_task import UserTask
+
+BEST_DIR = ".best"  # keep_best: the best evaluation's outputs until the run ends
 
 
 def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
@@ -63,13 +66,28 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
             log(env, "memory at start:\n" + format_memory_table(
                 gather_memory(env, model, optimizer)))
 
+        best_dir = cfg.run_dir / BEST_DIR
+
+        def save_best(step: int) -> None:  # collective: every rank gathers, rank 0 writes
+            state = full_state_dict(model, env, plan.parallelism)
+            if env.is_master:
+                task.save(plan.parallelism.unwrap(model), best_dir / MODEL_DIR, state)
+
         loop = TrainLoop(plan, env, model, optimizer, scheduler, scaler, task,
-                         snapshots=snapshots, resumed=resumed)
+                         snapshots=snapshots, resumed=resumed,
+                         on_best=save_best if cfg.trainer.keep_best else None)
         stall_watchdog.watch(loop.progress)
         records = loggers.RunRecords.open(cfg, env, start_step=loop.step)  # TensorBoard, ...
         last = loop.run(records)
         snapshots.wait()  # the last snapshot in flight is committed before anything else
         val_loss = loop.evaluate()
+        final_is_best = loop.best.update(loop.step, val_loss)
+        # keep_best: the output is the best evaluation's weights, saved when it happened
+        keep_best = cfg.trainer.keep_best and not final_is_best and loop.best.best_step is not None
+        if keep_best:
+            log(env, f"keeping the weights of step {loop.best.best_step} (validation loss "
+                     f"{loop.best.best_loss:.4f}; the last step's is {val_loss:.4f})")
+            val_loss = loop.best.best_loss
         if val_loss is not None:
             log(env, f"validation loss {val_loss:.4f}" + (
                 f" (perplexity {math.exp(val_loss):.2f})" if task.perplexity else ""))
@@ -77,11 +95,16 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
         if cfg.trainer.verbose:
             log(env, "memory at end:\n" + format_memory_table(memory))
 
-        state = full_state_dict(model, env, plan.parallelism)
+        state = None if keep_best else full_state_dict(model, env, plan.parallelism)
         summary = run_summary(plan, env, task, loop, last, val_loss, n_params, resumed,
                               snapshots.report(), memory, time.perf_counter() - t_start)
         if env.is_master:
-            task.save(plan.parallelism.unwrap(model), cfg.run_dir / MODEL_DIR, state)
+            if keep_best:
+                for name in [p.name for p in best_dir.iterdir()]:  # model/ (and adapter/)
+                    replace_dir(best_dir / name, cfg.run_dir / name)
+            else:
+                task.save(plan.parallelism.unwrap(model), cfg.run_dir / MODEL_DIR, state)
+            shutil.rmtree(best_dir, ignore_errors=True)
             atomic_write_json(cfg.run_dir / "summary.json", summary)
             records.finish(summary)  # memory per rank to the sinks; report.png
             log(env, f"done in {summary['wall_s']:.1f} s: final loss "
@@ -172,7 +195,7 @@ def run_summary(plan: RunPlan, env: DistEnv, task: Task, loop: TrainLoop, last: 
     """summary.json: what the run did, how fast, with what, and the memory of every rank."""
     cfg = plan.cfg
     return {
-        "steps": plan.total_steps, "epochs": plan.total_steps / plan.steps_per_epoch,
+        "steps": loop.step, "epochs": loop.step / plan.steps_per_epoch,
         "final_loss": last.get("loss"), "val_loss": val_loss,
         "val_perplexity": math.exp(min(val_loss, 700)) if val_loss is not None else None,
         "wall_s": wall_s, "train_s": loop.train_s,
@@ -191,4 +214,6 @@ def run_summary(plan: RunPlan, env: DistEnv, task: Task, loop: TrainLoop, last: 
             "world_size": resumed.world_size},
         "snapshots": snapshots,
         "data_fingerprint": task.data_fingerprint, "memory": memory,
+        "best_val_loss": loop.best.best_loss, "best_step": loop.best.best_step,
+        "stopped_early": loop.stopped_early,
     }

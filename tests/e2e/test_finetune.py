@@ -216,3 +216,37 @@ def test_finetune_example_runs_with_lora(tmp_path, pretrained):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "validation loss" in r.stdout and "adapter" in r.stdout
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_early_stopping_stops_where_predicted_and_keeps_the_best(tmp_path, pretrained, pairs):
+    """Patience 2, threshold 0.1 on the validation loss (every 2 steps): the run stops at the
+    evaluation a reference run without early stopping predicts, and model/ holds the weights of
+    the best evaluation (its validation loss, measured again from the files, is that one)."""
+    train, val = pairs
+    common = {"trainer.max_steps": 24, "trainer.eval_every": 2, "trainer.log_every": 2,
+              "optim.lr": 0.1, "optim.warmup_steps": 2}  # too high: the loss jumps at first
+    ref = tmp_path / "ref"
+    assert run_cli(_finetune_args(pretrained, train, val, ref, **common),
+                   cwd=tmp_path).returncode == 0
+    evals = [(m["step"], m["val_loss"]) for m in read_metrics(ref) if m.get("val_loss")]
+    best, best_step, bad, stop = None, None, 0, None
+    for step, v in evals:  # HF's rule: patience counts evals that beat the best by <= threshold
+        bad = 0 if best is None or v < best - 0.1 else bad + 1
+        if best is None or v < best:
+            best, best_step = v, step
+        if bad >= 2:
+            stop = step
+            break
+    assert stop is not None and stop < 24 and best_step < stop, evals  # keep_best matters
+    run_dir = tmp_path / "es"
+    r = run_cli(_finetune_args(pretrained, train, val, run_dir, **common, **{
+        "trainer.early_stopping_patience": 2, "trainer.early_stopping_threshold": 0.1,
+        "trainer.keep_best": "true"}), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"early stopping at step {stop}" in r.stderr
+    s = read_summary(run_dir)
+    assert s["steps"] == stop and s["best_step"] == best_step and s["stopped_early"]
+    assert read_metrics(run_dir)[-1]["step"] == stop
+    assert s["val_loss"] == pytest.approx(best, abs=1e-6)
+    assert _val_loss_on_outputs(run_dir / "model", val) == pytest.approx(best, abs=1e-4)
+    assert not (run_dir / ".best").exists()
