@@ -154,9 +154,14 @@ class FinetuneTask(TokenLoss):
             self._copy_tokenizer(tmp)
 
     def _copy_tokenizer(self, folder: Path) -> None:
+        """The tokenizer's files as they are; a chat template given as a file goes next to them
+        (transformers reads chat_template.jinja), so generation renders prompts the same way."""
         for name in TOKENIZER_FILES:
             if (self.tokenizer_dir / name).is_file():
                 shutil.copyfile(self.tokenizer_dir / name, folder / name)
+        template = Path(self.cfg.data.chat_template).expanduser()
+        if self.cfg.data.chat_template not in ("auto", "none") and template.is_file():
+            shutil.copyfile(template, folder / "chat_template.jinja")
 
 
 def quiet_transformers() -> None:

@@ -281,3 +281,37 @@ def test_lora_fsdp_killed_and_rerun_ends_bit_identical(tmp_path, pretrained, pai
     assert_bit_identical(run_dir, ref)
     a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (run_dir, ref))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_records_train_on_assistant_turns_and_generate_with_the_template(
+        tmp_path, pretrained, pairs):
+    train, _ = pairs
+    rows = [json.loads(line) for line in train.read_text().splitlines()[:96]]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": r["input"]},
+        {"role": "assistant", "content": r["output"]}]}) + "\n" for r in rows))
+    template = tmp_path / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    run_dir = tmp_path / "chat"
+    r = run_cli(_finetune_args(pretrained, chat, chat, run_dir, **{
+        "data.format": "chat", "data.chat_template": str(template), "trainer.max_steps": 6,
+        "data.max_length": 160,
+        "trainer.devices": "cpu:2", "data.system_prompt": "Answer in one line."}),
+        cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "96 rows -> 96 examples" in r.stderr
+    assert (run_dir / "model" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    assert (run_dir / "model" / "tokenizer.json").read_bytes() == \
+        (pretrained / "tokenizer.json").read_bytes()
+    g = run_cli(["generate", str(run_dir), "--prompt", "def read(self):", "--max-new-tokens",
+                 "4"], cwd=tmp_path)
+    assert g.returncode == 0 and g.stdout.startswith("def read(self):"), g.stderr[-2000:]
+    # chat data without any template: one line, exit 2
+    r = run_cli(_finetune_args(pretrained, chat, chat, tmp_path / "none", **{
+        "data.format": "chat"}), cwd=tmp_path)
+    assert r.returncode == 2 and "chat template" in r.stderr.strip().splitlines()[-1]
