@@ -29,7 +29,14 @@ def cmd_train(ns: argparse.Namespace) -> int:
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)  # a bad key fails here, before torch loads
     from .trainer import Trainer
-    result = Trainer(cfg).fit()
+    try:
+        result = Trainer(cfg).fit()
+    except KeyboardInterrupt as e:  # Ctrl-C (errors.Interrupted when workers were running)
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends us at once
+        from .rundir import stopped_message
+        print(f"paratrain: interrupted {stopped_message(cfg)}", file=sys.stderr, flush=True)
+        return 128 + getattr(e, "signum", signal.SIGINT)
     if result.is_master:
         print(f"final loss {result.final_loss:.4f}"
               + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None

@@ -26,3 +26,12 @@ class TrainingError(ParatrainError):
 
 class CheckpointError(ParatrainError):
     """A snapshot cannot be written, found or loaded (named path, and why)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The job was stopped by a signal (Ctrl-C, or SIGTERM to the launcher) after its workers
+    were stopped; the CLI says where it stopped and exits with 128 + the signal number."""
+
+    def __init__(self, signum: int = 2):
+        super().__init__(signum)
+        self.signum = signum

@@ -104,9 +104,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *,
         module.load_state_dict(state)
         return module.to(device).eval(), None
     if info.get("arch") == USER_ARCH:
-        raise ParatrainError(f"{str(path)!r} was trained on your own model "
-                             f"({info.get('factory', '?')}); load it with load_model(run_dir, "
-                             "model=make_model), passing the same factory")
+        factory = info.get("factory") or "make_model"
+        raise ParatrainError(f"{str(path)!r} holds your own model ({factory}), which paratrain "
+                             "cannot rebuild or sample from by itself; load it in Python with "
+                             f"`model, _ = load_model({str(path)!r}, model={factory})`, "
+                             "passing the same factory you trained with")
     args = ModelArgs.from_dict(info)
     net = build_model(args)
     missing, unexpected = net.load_state_dict(state, strict=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import multiprocessing
 import os
 import pickle
 import signal
@@ -29,6 +30,8 @@ from . import errors
 from .errors import ConfigError, TrainingError
 from .formatting import first_line, flatten
 from .launch import failure_to_error, free_port
+
+_AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 # ---- nodes meet before any worker starts ------------------------------------------------------
 _NODES = "paratrain/nodes"
@@ -92,13 +95,16 @@ class NodeGroup:
                max_restarts: int = 0) -> dict[int, Any]:
         """Start `nproc` workers here with the elastic agent; {global rank: return value} of this
         node's workers. A stall verdict published by a worker wins over the agent's report."""
+        from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
         # The agent logs every state change at INFO/WARNING; our own log says what matters.
         # A failed worker prints its own traceback, and we raise one line for the job.
-        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+        # (torch gives each of its modules' loggers a level of its own: set them one by one.)
+        for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+            if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
         if self.rdzv == "c10d":  # ranks by arrival; node 0 hosts the store
             rdzv_conf: dict[str, Any] = {"join_timeout": int(self.timeout_s),
                                          "last_call_timeout": 1, "is_host": self.node_rank == 0}
@@ -111,14 +117,24 @@ class NodeGroup:
             monitor_interval=0.1, start_method="spawn", shutdown_timeout=5)
         reaper = _Reaper(self.store, self.run_id, self.node_rank)
         reaper.start()
+        # The agent turns SIGINT/SIGTERM into SignalException (its handlers stay installed).
+        handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
         try:
             return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as e:
             verdict = reaper.verdict() or {}
             raise (TrainingError(verdict["message"]) if "message" in verdict
                    else failure_to_error(e)) from None
+        except SignalException as e:  # Ctrl-C: the agent has stopped the workers (a second
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C cut that short: kill them)
+            for p in multiprocessing.active_children():
+                p.kill()
+            raise errors.Interrupted(int(e.sigval)) from None
         finally:
             reaper.stop()
+            for s, h in handlers.items():
+                if s != signal.SIGINT or signal.getsignal(s) is not signal.SIG_DFL:
+                    signal.signal(s, h)
 
     def close(self) -> None:
         self.store = None  # node 0: the server closes when the last reference goes

@@ -17,6 +17,7 @@ from .errors import ParatrainError
 from .fileio import atomic_write_path
 
 REPORT = "report.png"
+PNG_KEY = "paratrain"  # report.png's text chunk: JSON of the validation points it draws
 # summary.json memory keys -> bar labels, in the order a reader adds them up
 MEMORY_BARS = (("params_bytes", "params"), ("grads_bytes", "grads"),
                ("optimizer_bytes", "optimizer"), ("activation_bytes", "activations"),
@@ -66,16 +67,20 @@ def write_report(run_dir: str | os.PathLike, out: Optional[str | os.PathLike] = 
 
     rows = read_records(run_dir)
     summary = read_summary(run_dir)
+    validation = validation_points(rows, summary)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
     try:
         fig.suptitle(_title(run_dir, rows, summary), fontsize=12)
-        _loss_panel(axes[0, 0], rows)
+        _loss_panel(axes[0, 0], rows, validation, final=summary is not None
+                    and isinstance(summary.get("val_loss"), (int, float)))
         _line_panel(axes[0, 1], rows, "tokens_per_s", "throughput", "tokens / s", "tab:green")
         _line_panel(axes[1, 0], rows, "lr", "learning rate", "learning rate", "tab:purple")
         _memory_panel(axes[1, 1], summary)
         target = Path(out) if out is not None else run_dir / REPORT
+        # the validation points drawn, also as a PNG text chunk (`PNG_KEY`): checkable
+        meta = {PNG_KEY: json.dumps({"validation": validation})}
         with atomic_write_path(target) as tmp:
-            fig.savefig(tmp, format="png", dpi=100)
+            fig.savefig(tmp, format="png", dpi=100, metadata=meta)
     finally:
         plt.close(fig)
     return target
@@ -95,12 +100,31 @@ def _title(run_dir: Path, rows: list[dict], summary: Optional[dict]) -> str:
     return " | ".join(parts)
 
 
-def _loss_panel(ax, rows: list[dict]) -> None:
+def validation_points(rows: list[dict], summary: Optional[dict]) -> list[list[float]]:
+    """[step, validation loss] as the loss panel draws them: each evaluation during the run
+    (metrics.jsonl), then the final one (summary.json) at the last step."""
+    steps, values = _series(rows, "val_loss")
+    points = [[s, v] for s, v in zip(steps, values)]
+    final = (summary or {}).get("val_loss")
+    if isinstance(final, (int, float)):
+        last = summary.get("steps") or (rows[-1]["step"] if rows else 0)  # type: ignore
+        points.append([last, final])
+    return points
+
+
+def _loss_panel(ax, rows: list[dict], validation: list[list[float]], final: bool) -> None:
     steps, loss = _series(rows, "loss")
     ax.plot(steps, loss, color="tab:blue", label="train loss")
-    vsteps, vloss = _series(rows, "val_loss")
+    vsteps = [p[0] for p in validation]
     if vsteps:
-        ax.plot(vsteps, vloss, "o-", color="tab:orange", label="validation loss")
+        ax.plot(vsteps, [p[1] for p in validation], "o-", color="tab:orange",
+                label="validation loss")
+    if final:  # the final validation loss: a point of its own, with its value
+        s, v = validation[-1]
+        ax.plot([s], [v], "*", color="tab:red", markersize=14, zorder=3,
+                label=f"final validation loss {v:.3f}")
+        ax.annotate(f"{v:.3f}", (s, v), textcoords="offset points", xytext=(-10, -4),
+                    ha="right", va="top", color="tab:red")
     ax.set(title="loss", xlabel="step", ylabel="cross-entropy (nats / token)")
     ax.grid(alpha=0.3)
     if steps or vsteps:

@@ -66,21 +66,24 @@ class Snapshotter:
         self.tokenizer_path = tokenizer_path
         self.store = Store(snapshot_store.root_of(cfg))
         self.every, self.keep_last, self.async_save = ck.every_steps, ck.keep_last, ck.async_save
+        self.at_epoch_end = ck.at_epoch_end
         self.stalls: list[float] = []  # seconds the loop waited, per snapshot
         self._pending: Optional[Future] = None
         self._pg = None
-        if env.distributed and self.every and self.async_save:
+        if env.distributed and (self.every or self.at_epoch_end) and self.async_save:
             import torch.distributed as dist
             # A background save runs DCP's collectives while the loop runs its own; on a group of
             # their own the two never interleave on one communicator.
             self._pg = dist.new_group(backend="gloo")
 
     def should_save(self, step: int) -> bool:
-        """After optimizer step `step`: every `checkpoint.every_steps` steps and at each epoch
-        end; never after the last step (the run then writes model/)."""
+        """After optimizer step `step`: every `checkpoint.every_steps` steps, and at each epoch
+        end with `checkpoint.at_epoch_end`; never after the last step (the run then writes
+        model/)."""
         plan = self.plan
-        return self.every > 0 and step < plan.total_steps and \
-            (step % self.every == 0 or step % plan.steps_per_epoch == 0)
+        return step < plan.total_steps and (
+            self.every > 0 and step % self.every == 0
+            or self.at_epoch_end and step % plan.steps_per_epoch == 0)
 
     # ---- save ----------------------------------------------------------------------------
     def save(self, step: int, rank: dict) -> None:

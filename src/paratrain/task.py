@@ -120,8 +120,16 @@ class LMTask(TokenLoss):
         vocab = cfg.model.vocab_size or prepared.tokenizer().vocab_size
         args = HFArgs(cfg.model.path, vocab) if cfg.model.arch == "hf" else \
             resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
-        return cls(cfg, prepared, args, build_dataset(prepared, "train", cfg.data),
-                   build_dataset(prepared, "val", cfg.data))
+        train = build_dataset(prepared, "train", cfg.data)
+        if cfg.data.format == "padded":  # say what long documents become, either way
+            n, extra = train.overflow_summary()
+            if n:
+                log(f"data: {n} of {train.num_docs} training documents are longer than "
+                    f"data.seq_length={cfg.data.seq_length}; " + (
+                        f"data.padded_overflow=truncate drops their {extra:,} later tokens "
+                        "(split keeps them as more rows)" if cfg.data.padded_overflow ==
+                        "truncate" else f"split into {len(train)} rows in all"))
+        return cls(cfg, prepared, args, train, build_dataset(prepared, "val", cfg.data))
 
     @property
     def is_hf(self) -> bool:

@@ -52,9 +52,16 @@ def test_user_cnn_trains_and_comes_back(tmp_path, strategy):
         from custom_model import Stripes, make_model
     finally:
         sys.path.remove(str(REPO / "examples"))
-    model = make_model()
-    model.load_state_dict(load_file(str(run_dir / "model" / "model.safetensors")))
-    model.eval()
+    from paratrain import load_model
+    model, tokenizer = load_model(run_dir, model=make_model)
+    assert tokenizer is None and not model.training
+    saved = load_file(str(run_dir / "model" / "model.safetensors"))
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    if strategy == "ddp":  # the CLI cannot rebuild it: one line that says how to load it
+        g = run_cli(["generate", str(run_dir)], cwd=tmp_path, timeout=60)
+        assert g.returncode == 2 and "Traceback" not in g.stderr, g.stderr
+        assert g.stderr.count("\n") == 1, g.stderr
+        assert "load_model(" in g.stderr and "model=make_model)" in g.stderr, g.stderr
     ds = Stripes(64, seed=1)
     x = torch.stack([ds[i][0] for i in range(64)])
     y = torch.stack([ds[i][1] for i in range(64)])

@@ -4,11 +4,12 @@ run."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tiny_overrides
 from tests.distributed._snapshot_helpers import reference_run
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,3 +66,25 @@ def test_checkpoint_errors_are_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert "holds no committed snapshot" in r.stderr
+
+
+@pytest.mark.parametrize("at_epoch_end", [False, True])
+def test_epoch_end_snapshots_are_asked_for_and_every_commit_is_one_line(
+        tmp_path, corpus_dir, cache_dir, at_epoch_end):
+    """Short epochs (a few steps each), a snapshot every 10 steps, the progress bar on: epoch-end
+    snapshots only with checkpoint.at_epoch_end=true, and each commit (made by a background
+    thread) logged once, on a line of its own."""
+    r = run_cli(["train"] + tiny_overrides(corpus_dir, cache_dir, **{
+        "trainer.devices": "cpu:2", "trainer.batch_size": 16, "data.max_bytes": 8000,
+        "trainer.max_steps": 30, "checkpoint.every_steps": 10, "checkpoint.keep_last": 2,
+        "checkpoint.at_epoch_end": str(at_epoch_end).lower(), "trainer.progress_bar": "true",
+        "run.name": "epochs"}), cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    per_epoch = int(re.search(r"\((\d+) per epoch\)", r.stderr).group(1))
+    assert per_epoch < 10  # several epoch ends between the every-10-steps snapshots
+    want = [s for s in range(1, 30) if s % 10 == 0 or at_epoch_end and s % per_epoch == 0]
+    # a line as a terminal shows it: what follows the last carriage return
+    lines = [x.rsplit("\r", 1)[-1] for x in r.stderr.split("\n")]
+    commits = [x for x in lines if re.search(r"snapshot \S+ committed", x)]
+    assert [int(re.search(r"step-(\d+)", x).group(1)) for x in commits] == want, r.stderr
+    assert all(x.startswith("[paratrain] snapshot ") for x in commits), commits

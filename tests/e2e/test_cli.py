@@ -49,6 +49,12 @@ def test_run_dir_holds_what_design_lists(trained_run, corpus_dir):
     assert all(METRIC_KEYS <= set(m) for m in rows)
     assert [m["step"] for m in rows if "val_loss" in m] == [10, 20]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3  # the loss visibly falls
+    from paratrain.config import TrainConfig
+    from paratrain.optim import lr_at
+    optim_cfg = TrainConfig.from_yaml(run_dir / "config.yaml").optim
+    # the lr logged at step s is the one step s used: lr_at(s - 1) (lr_at counts from 0)
+    assert [m["lr"] for m in rows] == pytest.approx(
+        [lr_at(m["step"] - 1, optim_cfg, 30) for m in rows], rel=1e-12)
     s = read_summary(run_dir)
     assert SUMMARY_KEYS <= set(s)
     assert (s["world_size"], s["nnodes"], s["strategy"], s["steps"]) == (2, 1, "ddp", 30)

@@ -25,6 +25,9 @@ def _fail(capsys, argv) -> str:
 @pytest.mark.parametrize("overrides, words", [
     (["trainer.no_such_key=1"], ["unknown config key 'trainer.no_such_key'"]),
     (["trainer.max_steps=ten"], ["trainer.max_steps", "wrong type"]),
+    (["trainer.epochs=null"], ["trainer.epochs cannot be null",
+                               "trainer.max_steps=null trainer.epochs=N", "trainer.max_steps=N"]),
+    (["data.padded_overflow=wrap"], ["data.padded_overflow='wrap'", "truncate, split"]),
     (["trainer.devices=cpu:0"], ["trainer.devices='cpu:0'", "cpu:1 or more"]),
     (["trainer.devices=[7]"], ["GPU 7 does not exist"]),
     (["trainer.strategy=foo"], ["trainer.strategy='foo'", "ddp"]),
@@ -77,9 +80,18 @@ def test_run_dir_holding_a_run_is_not_overwritten(tmp_path, monkeypatch, capsys,
     run.mkdir(parents=True)
     (run / "summary.json").write_text('{"final_loss": 1.0}')
     line = _fail(capsys, ["train", "run.name=taken"] + tiny_overrides(corpus_dir, cache_dir))
-    assert "already holds a run" in line and "run.overwrite=true" in line
+    # the three ways on: a new run, replacing it, or (an unfinished run) continuing it
+    for words in ("already holds a finished run", "another run.name", "run_name=",
+                  "run.overwrite=true", "overwrite=True", "checkpoint.every_steps=N"):
+        assert words in line, line
     assert (run / "summary.json").read_text() == '{"final_loss": 1.0}'
     assert sorted(p.name for p in run.iterdir()) == ["summary.json"]
+    (run / "summary.json").unlink()  # a run stopped before any snapshot
+    (run / "metrics.jsonl").write_text('{"step": 3, "loss": 5.0}\n')
+    line = _fail(capsys, ["train", "run.name=taken"] + tiny_overrides(corpus_dir, cache_dir))
+    for words in ("unfinished run without a committed snapshot", "run_name=", "overwrite=True",
+                  "checkpoint.every_steps=N"):
+        assert words in line, line
 
 
 def test_generate_without_a_model(tmp_path, capsys):

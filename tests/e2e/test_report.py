@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 
@@ -40,6 +41,27 @@ def test_report_png_after_a_run(run):
     assert 800 <= w <= 2400 and 500 <= h <= 1600
     assert (run_dir / "report.png").stat().st_size > 20_000  # four panels drawn, not a blank
     assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp")]  # atomic: no leftovers
+
+
+def png_text(path) -> dict[str, str]:
+    """The tEXt chunks of a PNG (key -> text)."""
+    data, out, i = path.read_bytes(), {}, 8
+    while i < len(data):
+        length, kind = struct.unpack(">I4s", data[i:i + 8])
+        if kind == b"tEXt":
+            key, _, text = data[i + 8:i + 8 + length].partition(b"\0")
+            out[key.decode("latin-1")] = text.decode("latin-1")
+        i += 12 + length
+    return out
+
+
+def test_report_draws_the_final_validation_loss_as_a_point(run):
+    _, run_dir = run
+    drawn = json.loads(png_text(run_dir / "report.png")["paratrain"])["validation"]
+    rows, summary = read_metrics(run_dir), read_summary(run_dir)
+    during = [[m["step"], m["val_loss"]] for m in rows if "val_loss" in m]
+    assert during and drawn[:-1] == during  # the evaluation at step 6...
+    assert drawn[-1] == [12, summary["val_loss"]]  # ...and the final one, at the last step
 
 
 def test_tensorboard_events_match_metrics_jsonl(run):

@@ -194,13 +194,15 @@ def test_export_writes_a_model_folder_load_model_reads(tmp_path):
         assert torch.equal(a, b), k
 
 
-def test_saves_every_n_steps_and_at_epoch_ends_never_after_the_last(tmp_path):
-    cfg = _cfg(tmp_path, every_steps=4)
-    snaps = _snapshotter(cfg, *_parts(cfg), steps_per_epoch=6, total_steps=20)
-    assert [s for s in range(1, 21) if snaps.should_save(s)] == [4, 6, 8, 12, 16, 18]
-    off = _snapshotter(_cfg(tmp_path, every_steps=0), *_parts(cfg), steps_per_epoch=6,
-                       total_steps=20)
-    assert not any(off.should_save(s) for s in range(1, 21))
+def test_saves_every_n_steps_and_at_epoch_ends_when_asked_never_after_the_last(tmp_path):
+    def saved(**ck):
+        cfg = _cfg(tmp_path, **ck)
+        snaps = _snapshotter(cfg, *_parts(cfg), steps_per_epoch=6, total_steps=20)
+        return [s for s in range(1, 21) if snaps.should_save(s)]
+    assert saved(every_steps=4) == [4, 8, 12, 16]  # the default: every_steps alone
+    assert saved(every_steps=4, at_epoch_end="true") == [4, 6, 8, 12, 16, 18]
+    assert saved(every_steps=0, at_epoch_end="true") == [6, 12, 18]
+    assert saved(every_steps=0) == []
 
 
 def test_resume_never_refuses_foreign_snapshots_and_overwrite_replaces_them(tmp_path):

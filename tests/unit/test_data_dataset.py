@@ -68,6 +68,42 @@ def test_padded_rows(prepared):
     assert saw_short and saw_cut
 
 
+def test_padded_split_keeps_every_token_of_long_documents(prepared):
+    """data.padded_overflow=split: a document longer than a row continues in more rows; over
+    them, every token of every document is a target exactly once, in order."""
+    L = 16
+    cut = PaddedDataset(prepared, "train", L, bot_id=1, eot_id=2, pad_id=0)
+    ds = PaddedDataset(prepared, "train", L, bot_id=1, eot_id=2, pad_id=0, overflow="split")
+    offsets = np.load(prepared.train_offsets)
+    stream = np.fromfile(prepared.train_tokens, dtype=np.uint16).astype(np.int64)
+    lengths = np.diff(offsets)
+    assert len(ds) == sum(-(-n // L) for n in lengths) > len(cut) == len(lengths)
+    n_long, extra = cut.overflow_summary()
+    assert n_long == (lengths > L).sum() > 0 and extra == (lengths - L)[lengths > L].sum()
+    targets: list[int] = []
+    starts = []  # (row, input_ids) of each document's first row
+    for i in range(len(ds)):
+        s = ds[i]
+        x, y, mask = s["input_ids"], s["targets"], s["attention_mask"]
+        real = y != IGNORE_INDEX
+        n = int(mask.sum())  # real input tokens, a prefix of the row
+        assert mask[:n].all() and not mask[n:].any() and (x[n:] == 0).all()
+        k = int(real.sum())  # real targets: a prefix too; n - 1, or n when the row is full
+        assert real[:k].all() and not real[k:].any() and (k == n - 1 or k == n == L)
+        assert torch.equal(x[1:n], y[:n - 1])  # targets are the inputs shifted by one
+        if x[0] == 1:
+            starts.append(i)
+        targets += y[real].tolist()
+    assert targets == stream.tolist()  # all documents, every token once, in order
+    assert len(starts) == len(lengths)  # one [BOT] row per document, then its continuations
+    assert [ds[i]["input_ids"].tolist() for i in starts] == \
+        [cut[d]["input_ids"].tolist() for d in range(len(cut))]  # first rows as truncate's
+    cfg = DataConfig(seq_length=L, format="padded", padded_overflow="split")
+    assert len(build_dataset(prepared, "train", cfg)) == len(ds)
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+
+
 def test_build_dataset_collate_and_pickle(prepared):
     cfg = DataConfig(seq_length=8, format="padded")
     ds = build_dataset(prepared, "val", cfg)

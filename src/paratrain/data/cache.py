@@ -19,10 +19,11 @@ import json
 import os
 import secrets
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List
+from typing import Callable, Iterator, List, Optional
 
 import numpy as np
 
@@ -37,6 +38,7 @@ SPLIT_SEED = 20240611  # fixed: the train/val split must not move when the train
 TOKENIZER_TRAIN_BYTES = 64 * 2**20  # BPE trains on at most this much text (~15 s on 2 cores)
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: bounds memory, keeps cores busy
 SPLITS = ("train", "val")
+PROGRESS_EVERY_S = 5.0  # a stage that runs longer says how far it is, this often
 
 
 @dataclass(frozen=True)
@@ -163,13 +165,13 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
 
     # Pass 2: the tokenizer sees training documents only, so validation stays unseen text.
     t0 = time.perf_counter()
-    if cfg.tokenizer == "char":
-        tokenizer = Tokenizer.train_char(_select(corpus, ~is_val))
-        trained_on = int(np.asarray(sizes)[~is_val].sum())
-    else:
-        keep = _spread_subsample(np.asarray(sizes), ~is_val, TOKENIZER_TRAIN_BYTES)
-        tokenizer = Tokenizer.train_bpe(_select(corpus, keep), cfg.vocab_size)
-        trained_on = int(np.asarray(sizes)[keep].sum())
+    keep = ~is_val if cfg.tokenizer == "char" else \
+        _spread_subsample(np.asarray(sizes), ~is_val, TOKENIZER_TRAIN_BYTES)
+    trained_on = int(np.asarray(sizes)[keep].sum())
+    with _Ticker(log, lambda s: f"tokenizer: training {cfg.tokenizer} on "
+                                f"{trained_on / 1e6:.1f} MB of text, {s:.0f} s so far"):
+        tokenizer = Tokenizer.train_char(_select(corpus, keep)) if cfg.tokenizer == "char" \
+            else Tokenizer.train_bpe(_select(corpus, keep), cfg.vocab_size)
     tokenizer.save(out / "tokenizer.json")
     log(f"tokenizer: trained {tokenizer.kind} with {tokenizer.vocab_size} tokens on "
         f"{trained_on / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s")
@@ -177,7 +179,10 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
     # Pass 3: tokenize everything, appending each split's ids to its .bin.
     t0 = time.perf_counter()
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
-    stats = _tokenize_to_disk(corpus, is_val, tokenizer, dtype, out)
+    done = [0]  # text bytes tokenized so far, updated by the loop below
+    with _Ticker(log, lambda s: f"tokenizing: {done[0] / 1e6:.1f} of {text_bytes / 1e6:.1f} MB "
+                                f"({100 * done[0] / max(text_bytes, 1):.0f}%), {s:.0f} s so far"):
+        stats = _tokenize_to_disk(corpus, is_val, tokenizer, dtype, out, done)
     total = sum(s["tokens"] for s in stats.values())
     log(f"tokenized {text_bytes / 1e6:.1f} MB -> {total / 1e6:.2f}M tokens in "
         f"{time.perf_counter() - t0:.1f} s")
@@ -232,7 +237,7 @@ def _select(corpus: Corpus, mask: np.ndarray) -> Iterator[str]:
 
 
 def _tokenize_to_disk(corpus: Corpus, is_val: np.ndarray, tokenizer: Tokenizer,
-                      dtype: np.dtype, out: Path) -> dict:
+                      dtype: np.dtype, out: Path, done: Optional[List[int]] = None) -> dict:
     files = {s: open(out / f"{s}.bin", "wb") for s in SPLITS}
     offsets = {s: [0] for s in SPLITS}
     eot = tokenizer.eot_id
@@ -255,6 +260,8 @@ def _tokenize_to_disk(corpus: Corpus, is_val: np.ndarray, tokenizer: Tokenizer,
             batch_bytes += len(doc)
             if batch_bytes >= ENCODE_BATCH_BYTES:
                 flush()
+                if done is not None:
+                    done[0] += batch_bytes
                 batch_bytes = 0
         flush()
     finally:
@@ -263,3 +270,28 @@ def _tokenize_to_disk(corpus: Corpus, is_val: np.ndarray, tokenizer: Tokenizer,
     for s in SPLITS:
         np.save(out / f"{s}_offsets.npy", np.asarray(offsets[s], dtype=np.int64))
     return {s: {"docs": len(offsets[s]) - 1, "tokens": offsets[s][-1]} for s in SPLITS}
+
+
+class _Ticker:
+    """`with _Ticker(log, text):` a stage that runs longer than PROGRESS_EVERY_S logs
+    `text(seconds so far)` that often, from a thread of its own (so a stage that is one blocking
+    call, such as BPE training, is covered too); a short stage logs nothing extra."""
+
+    def __init__(self, log: Callable[[str], None], text: Callable[[float], str],
+                 every_s: float = PROGRESS_EVERY_S):
+        self.log, self.text, self.every_s = log, text, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paratrain-progress", daemon=True)
+
+    def __enter__(self) -> "_Ticker":
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.log(self.text(time.perf_counter() - self._t0))

@@ -77,13 +77,20 @@ class PaddedDataset(_TokenFile):
     """One document per row: [BOT] doc [EOT], cut to seq_length+1 tokens, right-padded.
 
     Pad positions are ignored by the loss (target -100) and masked out of attention, so each
-    row is an independent sample: what fine-tuning-style or short-document data wants."""
+    row is an independent sample: what fine-tuning-style or short-document data wants.
+    A longer document: `overflow="truncate"` keeps its first row only (the rest is dropped);
+    `"split"` continues it in as many rows as it needs, each row starting with the token the
+    previous one ended on, so every token of the document is a target exactly once."""
 
     def __init__(self, prepared: PreparedData, split: str, seq_length: int,
-                 bot_id: int, eot_id: int, pad_id: int):
+                 bot_id: int, eot_id: int, pad_id: int, overflow: str = "truncate"):
         super().__init__(prepared, split, seq_length)
+        if overflow not in ("truncate", "split"):
+            raise ValueError(f"overflow must be 'truncate' or 'split', not {overflow!r}")
         self.bot_id, self.eot_id, self.pad_id = bot_id, eot_id, pad_id
+        self.overflow = overflow
         self._offsets: Optional[np.ndarray] = None
+        self._row_starts: Optional[np.ndarray] = None  # split: the first row of each document
 
     @property
     def offsets(self) -> np.ndarray:
@@ -91,23 +98,47 @@ class PaddedDataset(_TokenFile):
             self._offsets = np.load(self.offsets_path)  # (num_docs+1,) int64, small
         return self._offsets
 
+    @property
+    def row_starts(self) -> np.ndarray:
+        """(num_docs+1,) int64: document d fills rows row_starts[d] .. row_starts[d+1]-1."""
+        if self._row_starts is None:
+            lengths = np.diff(self.offsets)  # tokens of each document, its [EOT] included
+            rows = np.maximum(1, -(-lengths // self.seq_length))  # ceil(len / L)
+            self._row_starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        return self._row_starts
+
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        state["_offsets"] = None
+        state["_offsets"] = state["_row_starts"] = None
         return state
 
     def __len__(self) -> int:
-        return self.num_docs
+        return self.num_docs if self.overflow == "truncate" else int(self.row_starts[-1])
+
+    def overflow_summary(self) -> tuple[int, int]:
+        """(documents longer than one row, their tokens beyond the first row): what `truncate`
+        drops and `split` keeps."""
+        over = np.diff(self.offsets) - self.seq_length
+        return int((over > 0).sum()), int(over[over > 0].sum())
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         i = self._check_index(i)
         L = self.seq_length
-        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
-        doc = self.tokens[start:min(end, start + L)]  # ends with the stored [EOT] if it fits
-        n = len(doc) + 1  # real tokens in the row, [BOT] included; <= L+1
+        d, k = i, 0  # document, and which of its rows
+        if self.overflow == "split":
+            d = int(np.searchsorted(self.row_starts, i, side="right")) - 1
+            k = i - int(self.row_starts[d])
+        start, end = int(self.offsets[d]), int(self.offsets[d + 1])
         row = torch.full((L + 1,), self.pad_id, dtype=torch.long)  # (L+1,)
-        row[0] = self.bot_id
-        row[1:n] = torch.from_numpy(doc.astype(np.int64))
+        if k == 0:  # [BOT] then the document, ending with the stored [EOT] if it fits
+            doc = self.tokens[start:min(end, start + L)]
+            row[0] = self.bot_id
+            row[1:len(doc) + 1] = torch.from_numpy(doc.astype(np.int64))
+            n = len(doc) + 1  # real tokens in the row, [BOT] included; <= L+1
+        else:  # the k-th continuation: the document seen as [BOT] doc, from position k*L
+            doc = self.tokens[start + k * L - 1:min(end, start + k * L + L)]
+            row[:len(doc)] = torch.from_numpy(doc.astype(np.int64))
+            n = len(doc)
         input_ids = row[:-1]  # (L,)
         targets = row[1:].clone()  # (L,)
         targets[n - 1:] = IGNORE_INDEX  # target j is row[j+1], real only while j+1 < n
@@ -121,7 +152,8 @@ def build_dataset(prepared: PreparedData, split: str, cfg: DataConfig) -> Datase
     if cfg.format == "padded":
         m = prepared.meta
         return PaddedDataset(prepared, split, cfg.seq_length, bot_id=m["bot_id"],
-                             eot_id=m["eot_id"], pad_id=m["pad_id"])
+                             eot_id=m["eot_id"], pad_id=m["pad_id"],
+                             overflow=cfg.padded_overflow)
     raise ValueError(f"data.format={cfg.format!r} is not one of: packed, padded")
 
 
