@@ -37,6 +37,7 @@ def _train(tmp_path, corpus_dir, cache_dir, name, devices, batch, global_batch, 
     return [m["loss"] for m in read_metrics(run_dir)], read_summary(run_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["packed", "padded"])
 def test_one_and_two_workers_give_the_same_run(tmp_path, corpus_dir, cache_dir, fmt):
     """The issue's equivalence bar: first 10 losses within 1e-5, with and without gradient

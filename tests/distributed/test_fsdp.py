@@ -12,7 +12,7 @@ from paratrain import TrainConfig, load_model
 from paratrain.plan import plan_for_config
 from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def _run(tmp_path, corpus_dir, cache_dir, name, **extra):

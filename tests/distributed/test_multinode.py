@@ -68,6 +68,7 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_two_nodes_match_one_node_with_two_workers(tmp_path, corpus_dir):
     """The seed's recipe: the same command on two nodes (node_rank 0 and 1, one CPU worker
     each) is the job that one node with two workers runs: same losses, same validation loss;
@@ -132,6 +133,7 @@ def test_two_nodes_on_one_host_run_as_fast_as_one_node(tmp_path, corpus_dir, cac
     assert max(ratios) >= 0.7, ratios
 
 
+@pytest.mark.slow
 def test_slurm_variables_are_enough(tmp_path, corpus_dir, cache_dir):
     """Two tasks as srun starts them: SLURM_PROCID etc., no MASTER_ADDR; rank 0 hosts the
     store at the first host of the node list (tcp:// init, no agent)."""
@@ -186,6 +188,7 @@ def two_hosts():
             _ip("netns", "del", n)  # removes the veth ends inside it too
 
 
+@pytest.mark.slow
 def test_two_nodes_on_two_addresses(tmp_path, corpus_dir, cache_dir, two_hosts):
     (ns0, if0, addr0), (ns1, if1, _) = two_hosts
     port = free_port()
@@ -212,6 +215,7 @@ def test_nodes_that_disagree_on_nnodes(tmp_path, corpus_dir, cache_dir):
         assert "distributed.nnodes=" in one_error_line(err) and "disagree" in err
 
 
+@pytest.mark.slow
 def test_two_nodes_with_the_same_node_rank(tmp_path, corpus_dir, cache_dir):
     port = free_port()
     procs = [start(node_args(corpus_dir, cache_dir, 0, port, nnodes=3), tmp_path / "a")]
@@ -224,6 +228,7 @@ def test_two_nodes_with_the_same_node_rank(tmp_path, corpus_dir, cache_dir):
         assert "distributed.node_rank=1 is used by two nodes" in one_error_line(err)
 
 
+@pytest.mark.slow
 def test_a_node_that_never_comes(tmp_path, corpus_dir, cache_dir):
     """Node 0 alone, and node 1 alone: both give up after distributed.timeout_s and say how many
     nodes joined."""

@@ -14,7 +14,7 @@ from tests.distributed._snapshot_helpers import (args_for, assert_bit_identical,
                                                  finish, reference_run, start_cli, steps_logged,
                                                  wait_for, worker_pids)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

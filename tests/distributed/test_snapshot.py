@@ -19,7 +19,7 @@ from tests.distributed._snapshot_helpers import (args_for, assert_bit_identical,
                                                  interrupted_copy, kill_job, reference_run,
                                                  samples, start_cli, steps_logged, wait_for)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

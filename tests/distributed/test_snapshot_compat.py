@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import read_metrics, read_summary, run_cli
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "snapshot_v1"
 

@@ -44,6 +44,7 @@ def _workers(launcher_pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+@pytest.mark.slow
 def test_sigstopped_worker_is_named_and_the_job_ends(tmp_path, corpus_dir, cache_dir):
     args = ["train"] + tiny_overrides(corpus_dir, cache_dir, **{
         "run.name": "stall", "trainer.devices": "cpu:2", "trainer.max_steps": 100000,

@@ -35,7 +35,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_user_cnn_trains_and_comes_back(tmp_path, strategy):
     script = tmp_path / "cnn.py"
     script.write_text(CNN_SCRIPT.format(examples=str(REPO / "examples")))
@@ -85,6 +85,7 @@ def test_unpicklable_factory_is_a_clear_error(tmp_path):
     assert "module level" in r.stdout
 
 
+@pytest.mark.slow
 def test_hf_llama_from_local_config(tmp_path, corpus_dir, cache_dir):
     transformers = pytest.importorskip("transformers", reason="the optional extra [hf] is not "
                                        "installed")
@@ -108,6 +109,7 @@ def test_hf_llama_from_local_config(tmp_path, corpus_dir, cache_dir):
     assert read_summary(run_dir)["params"] == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_custom_model_example_runs(tmp_path):
     r = run_cli([str(REPO / "examples" / "custom_model.py"), "--devices", "cpu:2", "--steps",
                  "10", "--run-dir", str(tmp_path / "run")], cwd=tmp_path, timeout=240,

@@ -27,6 +27,7 @@ def _bench(tmp_path, corpus_dir, cache_dir, *flags: str, **extra):
     return run_cli(args, cwd=tmp_path, timeout=110)
 
 
+@pytest.mark.slow
 def test_bench_rows_json_and_chart(tmp_path, corpus_dir, cache_dir):
     r = _bench(tmp_path, corpus_dir, cache_dir, "--rows", "dp,ddp,plain")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -57,6 +58,7 @@ def test_bench_rows_json_and_chart(tmp_path, corpus_dir, cache_dir):
     assert not list((out / "runs").glob("*/model"))
 
 
+@pytest.mark.slow
 def test_bench_scaling_efficiency(tmp_path, corpus_dir, cache_dir):
     r = _bench(tmp_path, corpus_dir, cache_dir, "--scaling")
     assert r.returncode == 0, r.stderr[-3000:]

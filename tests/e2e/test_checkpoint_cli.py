@@ -20,6 +20,7 @@ def ref(tmp_path_factory, corpus_dir, cache_dir):
     return reference_run(tmp_path_factory, corpus_dir, cache_dir)
 
 
+@pytest.mark.slow
 def test_inspect_lists_and_describes_snapshots(ref, tmp_path):
     r = run_cli(["checkpoint", "inspect", str(ref)], cwd=tmp_path, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -46,6 +47,7 @@ def test_inspect_lists_and_describes_snapshots(ref, tmp_path):
     assert r.returncode == 0 and "NOT committed" in r.stdout and "tensors" not in r.stdout
 
 
+@pytest.mark.slow
 def test_export_gives_a_model_that_generates(ref, tmp_path):
     out = tmp_path / "exported"
     r = run_cli(["checkpoint", "export", str(ref / "checkpoints" / "step-0000008"), str(out)],
@@ -68,7 +70,7 @@ def test_checkpoint_errors_are_one_line(tmp_path):
     assert "holds no committed snapshot" in r.stderr
 
 
-@pytest.mark.parametrize("at_epoch_end", [False, True])
+@pytest.mark.parametrize("at_epoch_end", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_epoch_end_snapshots_are_asked_for_and_every_commit_is_one_line(
         tmp_path, corpus_dir, cache_dir, at_epoch_end):
     """Short epochs (a few steps each), a snapshot every 10 steps, the progress bar on: epoch-end

@@ -109,6 +109,7 @@ def test_config_show(tmp_path):
     assert shown["trainer"]["max_steps"] == 7 and shown["model"]["arch"] == "llama"
 
 
+@pytest.mark.slow
 def test_torchrun_launch(tmp_path, corpus_dir, cache_dir):
     """`torchrun --standalone --nproc_per_node=2 -m paratrain train ...`: each process is one
     rank, nothing is launched twice, only rank 0 writes."""
@@ -136,6 +137,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("under_torchrun", [False, True])
 def test_python_api_same_script_both_ways(tmp_path, corpus_dir, cache_dir, under_torchrun):
     script = tmp_path / "train_api.py"

@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import REPO, read_summary, run_cli, tiny_overrides
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def test_llama_pretrain_example(tmp_path, corpus_dir, cache_dir):

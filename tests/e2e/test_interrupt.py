@@ -40,6 +40,7 @@ def _the_line(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_ctrl_c_says_where_it_stopped_and_the_same_command_resumes(tmp_path, corpus_dir,
                                                                    cache_dir):
     args = _args(corpus_dir, cache_dir, "ctrlc", **{"checkpoint.every_steps": 10})
@@ -71,6 +72,7 @@ def test_ctrl_c_without_snapshots_says_there_is_nothing_to_resume(tmp_path, corp
     assert "no snapshot was committed" in line and "run.overwrite=true" in line, line
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_exits_at_once(tmp_path, corpus_dir, cache_dir):
     proc = start_cli(_args(corpus_dir, cache_dir, "twice"), cwd=tmp_path)
     wait_for(lambda: steps_logged(tmp_path / "runs" / "twice") >= 25, proc, timeout=150,
