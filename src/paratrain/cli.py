@@ -34,8 +34,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:  # Ctrl-C (errors.Interrupted when workers were running)
         import signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends us at once
+        import os
         from .rundir import stopped_message
-        print(f"paratrain: interrupted {stopped_message(cfg)}", file=sys.stderr, flush=True)
+        if (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0") == "0":
+            # (under torchrun / Slurm every rank is a CLI: the line comes from rank 0 only)
+            print(f"paratrain: interrupted {stopped_message(cfg)}", file=sys.stderr, flush=True)
         return 128 + getattr(e, "signum", signal.SIGINT)
     if result.is_master:
         print(f"final loss {result.final_loss:.4f}"

@@ -117,8 +117,10 @@ class NodeGroup:
             monitor_interval=0.1, start_method="spawn", shutdown_timeout=5)
         reaper = _Reaper(self.store, self.run_id, self.node_rank)
         reaper.start()
-        # The agent turns SIGINT/SIGTERM into SignalException (its handlers stay installed).
-        handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
+        # The agent turns SIGINT/SIGTERM into SignalException (its handlers stay installed,
+        # so ours come back afterwards; only the main thread may set them).
+        main = threading.current_thread() is threading.main_thread()
+        handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS} if main else {}
         try:
             return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as e:
@@ -126,15 +128,13 @@ class NodeGroup:
             raise (TrainingError(verdict["message"]) if "message" in verdict
                    else failure_to_error(e)) from None
         except SignalException as e:  # Ctrl-C: the agent has stopped the workers (a second
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C cut that short: kill them)
+            _restore(handlers)  # Ctrl-C may have cut that short, and is KeyboardInterrupt now)
             for p in multiprocessing.active_children():
                 p.kill()
             raise errors.Interrupted(int(e.sigval)) from None
         finally:
             reaper.stop()
-            for s, h in handlers.items():
-                if s != signal.SIGINT or signal.getsignal(s) is not signal.SIG_DFL:
-                    signal.signal(s, h)
+            _restore(handlers)
 
     def close(self) -> None:
         self.store = None  # node 0: the server closes when the last reference goes
@@ -144,6 +144,12 @@ class NodeGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _restore(handlers: Mapping[int, Any]) -> None:
+    for sig, handler in handlers.items():
+        if handler is not None:  # None: set outside Python, cannot be put back
+            signal.signal(sig, handler)
 
 
 def join_nodes(master_addr: str, master_port: int, nnodes: int, node_rank: int, nproc: int,

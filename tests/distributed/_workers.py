@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from paratrain.dist import DistEnv
 from paratrain.models import build_model
-from paratrain.models.presets import PRESETS, ModelArgs
+from paratrain.models.presets import ModelArgs
 from paratrain.parallel import DDP, parallelize
 
 

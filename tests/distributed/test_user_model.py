@@ -3,9 +3,7 @@ own collate and loss; a tiny Hugging Face Llama from a local config; the example
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch

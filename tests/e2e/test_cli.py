@@ -66,6 +66,9 @@ def test_run_dir_holds_what_design_lists(trained_run, corpus_dir):
         assert m["grads_bytes"] == m["params_bytes"]
         assert m["optimizer_bytes"] >= 2 * m["params_bytes"]  # AdamW: two moments
         assert m["peak_bytes"] > m["params_bytes"]
+    # the data line once: the launching process prepares (or reuses) the token cache, the
+    # workers reuse it quietly
+    assert r.stderr.count("[paratrain] data: ") == 1, r.stderr
     # the progress bar is drawn once (global rank 0), not once per worker
     assert r.stderr.count("train:   0%") == 1  # each bar prints its empty state once
     assert "train: 100%" in r.stderr
