@@ -20,7 +20,7 @@ from .formatting import first_line
 from .models.presets import ARCHS, resolve_model_config
 from .redact import redact_secrets
 
-STRATEGIES = ("auto", "single", "ddp", "fsdp", "dp")
+STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 FORMATS = ("packed", "padded", "pairs", "chat")
 FINETUNE_FORMATS = ("pairs", "chat")  # records rendered with a pretrained model's tokenizer
@@ -105,6 +105,7 @@ class TrainerConfig:
     compile: bool = False
     cpu_offload: bool = False  # fsdp: keep parameters, gradients and optimizer state in RAM
     reshard_after_forward: bool = True  # fsdp: free full parameters after forward (less memory)
+    shard_group_size: Optional[int] = None  # hsdp: ranks per shard group (null: those of a node)
     progress_bar: bool = True
     early_stopping_patience: Optional[int] = None  # stop after N evaluations without improvement
     early_stopping_threshold: float = 0.0  # an improvement lowers the validation loss by more
@@ -262,6 +263,7 @@ def validate(cfg: TrainConfig) -> None:
         "trainer.global_batch_size": cfg.trainer.global_batch_size,
         "trainer.eval_samples": cfg.trainer.eval_samples,
         "trainer.early_stopping_patience": cfg.trainer.early_stopping_patience,
+        "trainer.shard_group_size": cfg.trainer.shard_group_size,
         "data.max_bytes": cfg.data.max_bytes,
         "model.hidden_size": cfg.model.hidden_size, "model.num_layers": cfg.model.num_layers,
         "model.num_heads": cfg.model.num_heads, "model.num_kv_heads": cfg.model.num_kv_heads,
@@ -274,6 +276,10 @@ def validate(cfg: TrainConfig) -> None:
     for key, value in optional_positive.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{key}={value} must be positive (or null for the default)")
+    if cfg.trainer.shard_group_size is not None and cfg.trainer.strategy not in ("hsdp", "auto"):
+        raise ConfigError(f"trainer.shard_group_size sizes hsdp's shard groups; it does not "
+                          f"apply to trainer.strategy={cfg.trainer.strategy} (use hsdp, or "
+                          "leave it null)")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
     if not 0.0 <= cfg.model.dropout < 1.0:

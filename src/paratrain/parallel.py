@@ -4,8 +4,8 @@ then asked, never compared as a string again.
 A parallelism knows how to wrap a model, how to skip gradient sync on the accumulation micro-steps
 before the last one (Fabric's per-strategy backward-sync control), which autocast and gradient
 scaler it needs, and what share of the parameters, gradients and optimizer state one rank holds
-(the memory plan and `bench` count with it). Adding one (HSDP next) is one class here, plus its
-device mesh. Activation checkpointing and compile are applied before the wrapper, in that order,
+(the memory plan and `bench` count with it). Adding one is one class here, plus its device mesh
+(HSDP is FSDP on a 2-D mesh). Activation checkpointing and compile are applied before the wrapper, in that order,
 as torchtitan's `parallelize` composes them (`parallelize` below).
 """
 
@@ -180,17 +180,54 @@ class FSDP(Parallelism):
 
     @property
     def label(self) -> str:
-        return "fsdp+offload" if self.cpu_offload else "fsdp"
+        return f"{self.name}+offload" if self.cpu_offload else self.name
+
+
+@dataclass(frozen=True)
+class HSDP(FSDP):
+    """Hybrid sharding (FSDP2 on a 2-D mesh): shard within a group of `shard_group_size`
+    consecutive ranks (a node by default), replicate across the groups (the nodes).
+
+    The mesh is (replicate, shard) = (world / group, group), row-major, so a shard group is
+    ranks [k*group, (k+1)*group): one node's ranks. Per-layer all-gathers and reduce-scatters
+    stay inside a node; only a 1/group slice of the gradients is all-reduced across nodes. A rank
+    holds 1/group of the state (FSDP over all ranks: 1/world; DDP: all of it)."""
+    name: ClassVar[str] = "hsdp"
+    shard_group_size: int = 1
+
+    def mesh(self, env: DistEnv) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+        group = self.shard_group_size
+        return init_device_mesh(env.device.type, (env.world_size // group, group),
+                                mesh_dim_names=("replicate", "shard"))
+
+    def state_numel(self, shape: torch.Size, world: int, rank: int = 0) -> int:
+        """FSDP's split over the shard group; the replicas hold the same shards."""
+        group = self.shard_group_size
+        return super().state_numel(shape, group, rank % group)
+
+
+def shard_group(world_size: int, local_world_size: int, override: Optional[int]) -> int:
+    """HSDP's shard group size: `trainer.shard_group_size`, else the processes of one node; a
+    ConfigError when it does not divide the world."""
+    group = override if override is not None else local_world_size
+    if group < 1 or world_size % group:
+        fits = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise ConfigError(f"trainer.shard_group_size={group} must divide the world size "
+                          f"({world_size} processes): one of {fits}")
+    return group
 
 
 def resolve_parallelism(requested: str, *, world_size: int, local_world_size: int,
                         device: torch.device, cpu_offload: bool = False,
                         reshard_after_forward: bool = True,
+                        shard_group_size: Optional[int] = None,
                         planned: Optional[tuple[Parallelism, str]] = None
                         ) -> tuple[Parallelism, str]:
     """(parallelism, why): `trainer.strategy` turned into an object, once. One process means
     `single` whatever was asked for several; `auto` takes the memory plan's pick when there is
-    one (plan.py), else ddp."""
+    one (plan.py), else ddp. `hsdp` whose one shard group would span every process (one node,
+    no `shard_group_size`) is fsdp, and resolves to it, saying so."""
     if requested == "dp":
         if device.type != "cuda":
             raise ConfigError("trainer.strategy=dp (nn.DataParallel) needs CUDA GPUs; on CPU use "
@@ -210,6 +247,15 @@ def resolve_parallelism(requested: str, *, world_size: int, local_world_size: in
         raise ConfigError(f"trainer.strategy=single runs one process, but {world_size} were "
                           "started; use trainer.strategy=ddp or one device")
     fsdp = FSDP(cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward)
+    # a bad trainer.shard_group_size is an error under auto too (its plan may pick hsdp)
+    group = shard_group(world_size, local_world_size, shard_group_size) \
+        if requested in ("hsdp", "auto") else world_size
+    if requested == "hsdp":
+        if group == world_size:
+            return fsdp, (f"hsdp asked for, but its one shard group spans all {world_size} "
+                          "processes (one node without trainer.shard_group_size): that is fsdp")
+        return (HSDP(reshard_after_forward=reshard_after_forward, shard_group_size=group),
+                f"asked for: {world_size // group} replicas x shard groups of {group}")
     if requested == "auto":
         if cpu_offload:
             return fsdp, "auto: trainer.cpu_offload=true needs fsdp"

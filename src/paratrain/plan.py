@@ -18,7 +18,7 @@ from torch import nn
 
 from .formatting import human_bytes
 from .memory import SavedTensorMeter
-from .parallel import DDP, FSDP, Parallelism
+from .parallel import DDP, FSDP, HSDP, Parallelism
 
 PARAM_BYTES = {"fp32": 4, "bf16-mixed": 4, "fp16-mixed": 4, "bf16-true": 2}
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.bfloat16, "bf16-true": None}
@@ -99,10 +99,12 @@ def activation_bytes_per_sample(factory: Callable[[], nn.Module], seq_length: in
 
 
 def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, micro_batch: int,
-             seq_length: int, vocab_size: int, reshard_after_forward: bool = True
-             ) -> List[Estimate]:
+             seq_length: int, vocab_size: int, reshard_after_forward: bool = True,
+             shard_group_size: Optional[int] = None) -> List[Estimate]:
     """Every candidate's bytes per device at this world size (rank 0, the fullest), in order of
-    speed: replicate, shard, shard and recompute, shard and offload."""
+    speed: replicate, shard within a node and replicate across nodes (hsdp, when
+    `shard_group_size`, the processes of one node or the override, is more than one and less
+    than the world), shard over all, shard and recompute, shard and offload."""
     with torch.device("meta"):
         meta = factory()
     shapes = [p.shape for p in meta.parameters()]
@@ -117,6 +119,11 @@ def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, mi
     replicated = Parallelism() if world == 1 else DDP()
     full = state_bytes(shapes, replicated, world, precision)
     rows = [Estimate(replicated, False, *full, act, sum(full) + act)]
+    group = shard_group_size or world
+    if 1 < group < world and world % group == 0:
+        hsdp = HSDP(reshard_after_forward=reshard_after_forward, shard_group_size=group)
+        part = state_bytes(shapes, hsdp, world, precision)
+        rows.append(Estimate(hsdp, False, *part, act, sum(part) + act + gathered))
     if world > 1:
         fsdp = FSDP(reshard_after_forward=reshard_after_forward)
         shard = state_bytes(shapes, fsdp, world, precision)
@@ -178,8 +185,10 @@ def plan_for_config(cfg, world: Optional[int] = None, device: Optional[torch.dev
     world = world or len(devices) * cfg.distributed.nnodes
     vocab = cfg.model.vocab_size or cfg.data.vocab_size
     args = resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
+    local = local_workers or len(devices)
     rows = estimate(lambda: build_model(args), world=world, precision=cfg.trainer.precision,
                     micro_batch=cfg.trainer.batch_size, seq_length=cfg.data.seq_length,
-                    vocab_size=vocab, reshard_after_forward=cfg.trainer.reshard_after_forward)
-    capacity = device_capacity(device or devices[0], local_workers or len(devices))
+                    vocab_size=vocab, reshard_after_forward=cfg.trainer.reshard_after_forward,
+                    shard_group_size=cfg.trainer.shard_group_size or local)
+    capacity = device_capacity(device or devices[0], local)
     return rows, capacity, choose(rows, capacity)

@@ -59,7 +59,7 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     parallelism, why = resolve_parallelism(
         tr.strategy, world_size=world_size, local_world_size=local_world_size,
         device=devices[0], cpu_offload=tr.cpu_offload,
-        reshard_after_forward=tr.reshard_after_forward,
+        reshard_after_forward=tr.reshard_after_forward, shard_group_size=tr.shard_group_size,
         planned=(choice.parallelism, choice.why) if choice is not None else None)
     check_precision(tr.precision, devices[0])
     loggers.check_log_config(cfg.log)  # log.wandb=true without wandb: say so now
@@ -90,7 +90,8 @@ def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.
         return None
     rows = estimate(probe.build_model, world=world_size, precision=tr.precision,
                     micro_batch=tr.batch_size, seq_length=probe.seq_length,
-                    vocab_size=probe.vocab_size, reshard_after_forward=tr.reshard_after_forward)
+                    vocab_size=probe.vocab_size, reshard_after_forward=tr.reshard_after_forward,
+                    shard_group_size=tr.shard_group_size or local_world_size)
     return choose(rows, device_capacity(device, local_world_size))
 
 
