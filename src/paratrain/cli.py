@@ -43,7 +43,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if result.is_master:
         print(f"final loss {result.final_loss:.4f}"
               + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None
-                 else "") + f"; run dir: {result.run_dir}")
+                 else "") + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
+              + f"; run dir: {result.run_dir}")
+        accuracy = result.summary.get("val_accuracy")
     return 0
 
 
@@ -56,8 +58,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     mdir = model_dir_of(ns.run_dir)
     if is_hf_folder(mdir):  # a fine-tuned Hugging Face model
-        print(generate_hf(mdir, ns.prompt, chat=_trained_on_chat(ns.run_dir),
+        print(generate_hf(mdir, ns.prompt, chat=_run_format(ns.run_dir) == "chat",
                           max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
+    if _run_format(ns.run_dir) == "classify":  # a classifier labels the prompt instead
+        from .classify_task import classify_text
+        label, p = classify_text(mdir, ns.prompt, device)
+        print(f"paratrain: {ns.run_dir} is a text classifier: it labels --prompt (probability "
+              f"{p:.3f}) instead of continuing it", file=sys.stderr)
+        print(label)
+        return 0
                           top_k=ns.top_k or None, seed=ns.seed, device=device))
         return 0
     model, tokenizer = load_model(ns.run_dir, device=device)
@@ -75,12 +84,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _trained_on_chat(run_dir: str) -> bool:
-    """Whether the run's config.yaml says data.format=chat (then prompts get the template)."""
+def _run_format(run_dir: str) -> str | None:
+    """The run's data.format from its config.yaml: chat prompts get the chat template, and a
+    classify run labels the prompt."""
     from omegaconf import OmegaConf
     from pathlib import Path
     cfg_file = Path(run_dir) / "config.yaml"
-    return cfg_file.is_file() and OmegaConf.load(cfg_file).get("data", {}).get("format") == "chat"
+    return OmegaConf.load(cfg_file).get("data", {}).get("format") if cfg_file.is_file() else None
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:

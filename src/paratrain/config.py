@@ -22,8 +22,8 @@ from .redact import redact_secrets
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
-FORMATS = ("packed", "padded", "pairs", "chat")
-FINETUNE_FORMATS = ("pairs", "chat")  # records rendered with a pretrained model's tokenizer
+FORMATS = ("packed", "padded", "pairs", "chat", "classify")
+FINETUNE_FORMATS = ("pairs", "chat", "classify")  # records encoded with a pretrained tokenizer
 TOKENIZERS = ("bpe", "char")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -67,11 +67,14 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"  # stdlib | file | directory | glob | *.jsonl | *.parquet
-    text_field: str = "text"  # for jsonl / parquet
+    text_field: str = "text"  # jsonl / parquet corpora; classify: the text to label
+    label_field: str = "label"  # classify: the label (strings: ids in sorted order; or ints)
     seq_length: int = 256
     vocab_size: int = 4096  # BPE vocabulary to train
     tokenizer: str = "bpe"  # bpe | char | DIR: a pretrained tokenizer (pairs / chat)
-    format: str = "packed"  # packed | padded | pairs (input->output) | chat (messages)
+    format: str = "packed"  # packed | padded | pairs (input->output) | chat (messages) |
+    # classify (text -> label, a sequence-classification model)
+    pack: bool = False  # pairs / chat: several examples per row (refused: see _check_data_format)
     padded_overflow: str = "truncate"  # padded: a document longer than seq_length is cut to
     # one row (truncate: the rest is dropped) or continues in as many rows as it needs (split)
     input_field: str = "input"  # pairs: the prompt's field (jsonl / parquet / csv / datasets)
@@ -327,12 +330,26 @@ def _check_data_format(cfg: TrainConfig) -> None:
     """Fine-tuning formats need a pretrained model and its tokenizer; corpora a tokenizer kind."""
     d = cfg.data
     if d.format in FINETUNE_FORMATS:
+    if d.pack:
+        raise ConfigError(
+            "data.pack=true is refused: packing several examples into one row lets attention "
+            "cross from one example into the next unless the model takes a block-diagonal mask "
+            "or per-example positions, which paratrain cannot guarantee for a Hugging Face "
+            "model; leave data.pack=false (examples are padded to the longest of each "
+            "micro-batch, which wastes little) or use data.format=packed for plain text"
+            if d.format in FINETUNE_FORMATS else
+            f"data.pack applies to data.format=pairs or chat; data.format={d.format} "
+            + ("already packs documents into windows" if d.format == "packed" else
+               "keeps one document per row"))
         if cfg.model.arch != "hf":
             raise ConfigError(f"data.format={d.format} fine-tunes a pretrained Hugging Face "
                               f"model: set model.arch=hf model.path=DIR (got model.arch="
                               f"{cfg.model.arch}); export one of ours with `paratrain "
                               "checkpoint export RUN_DIR OUT --format hf`")
         if cfg.model.lora.r < 0 or not cfg.model.lora.target_modules:
+        if d.format == "classify" and not (d.text_field and d.label_field):
+            raise ConfigError("data.format=classify needs data.text_field and data.label_field, "
+                              "the names of the text and label fields of the records")
             raise ConfigError("model.lora.r must be >= 0 (0: off) and model.lora.target_modules "
                               "a non-empty list of module names")
         if d.max_length < 2:

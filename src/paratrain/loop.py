@@ -77,6 +77,8 @@ class TrainLoop:
         self.best = BestTracker(tr.early_stopping_patience, tr.early_stopping_threshold)
         self.on_best = on_best  # called (on every rank) after an evaluation that is the best
         self.stopped_early: Optional[str] = None  # why the loop stopped before total_steps
+        self.val_metrics: dict = {}  # the last evaluation's figures besides the loss (accuracy)
+        self.best_metrics: dict = {}  # those of the best evaluation (keep_best reports them)
         if resumed is not None:
             self._restore(resumed)
 
@@ -98,7 +100,10 @@ class TrainLoop:
 
     def record_evaluation(self, val_loss: Optional[float]) -> None:
         """Track the best validation loss; a new best goes to `on_best` (keep_best saves it)."""
-        if self.best.update(self.step, val_loss) and self.on_best is not None:
+        if not self.best.update(self.step, val_loss):
+            return
+        self.best_metrics = dict(self.val_metrics)
+        if self.on_best is not None:
             self.on_best(self.step)
 
     def _micro_batches(self) -> Iterator[dict]:
@@ -145,6 +150,7 @@ class TrainLoop:
                             "grad_norm": grad_norm, **window.report()}
                     if evaluate:
                         last["val_loss"] = self.evaluate()
+                        last.update(self.val_metrics)
                         self.record_evaluation(last["val_loss"])
                     mlog.write(last)
                     bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}")
@@ -228,9 +234,21 @@ class TrainLoop:
         amp = self.plan.parallelism.autocast(self.plan.precision, dev)
         return self.task.loss(self.model, mb, dev, amp)
 
+    def _eval_batch(self, mb: Any) -> tuple[Any, int, dict]:
+        """(loss sum, loss units, counts) for one validation micro-batch. A task may count more
+        than the loss (`eval_counts`, e.g. right predictions): evaluate sums those too."""
+        counts = getattr(self.task, "eval_counts", None)
+        if counts is None:
+            return (*self._loss(mb), {})
+        dev = self.env.device
+        return counts(self.model, mb, dev, self.plan.parallelism.autocast(self.plan.precision,
+                                                                          dev))
+
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
-        """Token-weighted validation loss over every sample once, whatever the world size."""
+        """Token-weighted validation loss over every sample once, whatever the world size; a
+        task's extra counts (`eval_counts`) are summed the same way and turned into figures by
+        its `eval_metrics` (kept in `val_metrics`)."""
         env, tr, collate = self.env, self.cfg.trainer, self.task.collate
         self.progress.at(self.step, "eval")
         n = len(self.val_ds) if self.val_ds is not None else 0
@@ -244,21 +262,30 @@ class TrainLoop:
         was_training = self.model.training
         self.model.eval()
         total = count = 0.0
+        extra: dict = {}  # the task's counts, summed
         # a bar on rank 0 when validation lasts more than 2 s (the final one: ~20 s by default)
         bar = ProgressBar(env, n_batches, enabled=tr.progress_bar, desc="validation",
                           unit="batch", leave=False, delay_s=2.0)
         for i in range(n_batches):
             idx = mine[i * b:(i + 1) * b]
             if idx:
-                s, c = self._loss(collate([self.val_ds[j] for j in idx]))
+                s, c, counts = self._eval_batch(collate([self.val_ds[j] for j in idx]))
+                for key, value in counts.items():
+                    extra[key] = extra.get(key, 0.0) + float(value)
             else:  # out of samples: keep step with the other ranks, count nothing
-                self._loss(collate([self.val_ds[0]]))
+                _, _, counts = self._eval_batch(collate([self.val_ds[0]]))
+                for key in counts:  # the same keys on every rank, for the sum below
+                    extra.setdefault(key, 0.0)
                 s, c = 0.0, 0
             total += float(s)
             count += c
             bar.update(1)
         bar.close()
         self.model.train(was_training)
+        if hasattr(self.task, "eval_metrics"):  # every rank ran >= 1 batch: the same keys
+            keys = sorted(extra)
+            summed = env.all_reduce_sum([extra[k] for k in keys] or [0.0]).tolist()
+            self.val_metrics = self.task.eval_metrics(dict(zip(keys, summed)))
         return env.weighted_mean(total, count)
 
 

@@ -181,14 +181,17 @@ def plan_for_config(cfg, world: Optional[int] = None, device: Optional[torch.dev
     """(rows, capacity, pick) for a TrainConfig's own model: what `paratrain plan` prints."""
     from .launch import parse_devices
     from .models import build_model, resolve_model_config
+    from .parallel import shard_group
     devices = parse_devices(cfg.trainer.devices)
     world = world or len(devices) * cfg.distributed.nnodes
     vocab = cfg.model.vocab_size or cfg.data.vocab_size
     args = resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
     local = local_workers or len(devices)
+    override = cfg.trainer.shard_group_size  # a bad one is the error `train` would give
+    group = shard_group(world, local, override) if override is not None else local
     rows = estimate(lambda: build_model(args), world=world, precision=cfg.trainer.precision,
                     micro_batch=cfg.trainer.batch_size, seq_length=cfg.data.seq_length,
                     vocab_size=vocab, reshard_after_forward=cfg.trainer.reshard_after_forward,
-                    shard_group_size=cfg.trainer.shard_group_size or local)
+                    shard_group_size=group)
     capacity = device_capacity(device or devices[0], local)
     return rows, capacity, choose(rows, capacity)

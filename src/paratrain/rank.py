@@ -15,6 +15,7 @@ from . import loggers, optim, watchdog
 from .config import FINETUNE_FORMATS, TrainConfig
 from .console import log
 from .dist import DistEnv
+from .classify_task import ClassifyTask
 from .finetune_task import FinetuneRecords, FinetuneTask
 from .fileio import atomic_write_json, replace_dir
 from .loop import TrainLoop
@@ -81,16 +82,19 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
         last = loop.run(records)
         snapshots.wait()  # the last snapshot in flight is committed before anything else
         val_loss = loop.evaluate()
+        val_metrics = loop.val_metrics  # e.g. accuracy, for a classifier
         final_is_best = loop.best.update(loop.step, val_loss)
         # keep_best: the output is the best evaluation's weights, saved when it happened
         keep_best = cfg.trainer.keep_best and not final_is_best and loop.best.best_step is not None
         if keep_best:
             log(env, f"keeping the weights of step {loop.best.best_step} (validation loss "
                      f"{loop.best.best_loss:.4f}; the last step's is {val_loss:.4f})")
-            val_loss = loop.best.best_loss
+            val_loss, val_metrics = loop.best.best_loss, loop.best_metrics
         if val_loss is not None:
             log(env, f"validation loss {val_loss:.4f}" + (
-                f" (perplexity {math.exp(val_loss):.2f})" if task.perplexity else ""))
+                f" (perplexity {math.exp(val_loss):.2f})" if task.perplexity else "") + (
+                f"; accuracy {val_metrics['val_accuracy']:.4f} on {val_metrics['val_samples']} "
+                "texts" if val_metrics.get("val_accuracy") is not None else ""))
         memory = gather_memory(env, model, optimizer, loop.grads_bytes, loop.activation_bytes)
         if cfg.trainer.verbose:
             log(env, "memory at end:\n" + format_memory_table(memory))
@@ -98,6 +102,7 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
         state = None if keep_best else full_state_dict(model, env, plan.parallelism)
         summary = run_summary(plan, env, task, loop, last, val_loss, n_params, resumed,
                               snapshots.report(), memory, time.perf_counter() - t_start)
+        summary.update(val_metrics)
         if env.is_master:
             if keep_best:
                 for name in [p.name for p in best_dir.iterdir()]:  # model/ (and adapter/)
@@ -131,13 +136,14 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
 def prepare_task(cfg: TrainConfig, env: DistEnv, given: Any = None, quiet: bool = False
                  ) -> Task:
     """What is trained: a task already prepared (the user's own model and data, or one this
-    process built), fine-tuning records (data.format pairs / chat; `given` may hold the Python
-    API's records), or the built-in language model on a corpus."""
+    process built), fine-tuning records (data.format pairs / chat / classify; `given` may hold
+    the Python API's records), or the built-in language model on a corpus."""
     say = (lambda m: None) if quiet else (lambda m: log(env, m))
-    if isinstance(given, (UserTask, LMTask, FinetuneTask)):
+    if isinstance(given, (UserTask, LMTask, FinetuneTask, ClassifyTask)):
         return given
     if isinstance(given, FinetuneRecords) or cfg.data.format in FINETUNE_FORMATS:
-        task = FinetuneTask.prepare(cfg, given)
+        kind = ClassifyTask if cfg.data.format == "classify" else FinetuneTask
+        task = kind.prepare(cfg, given)
         for note in task.notes:
             say(note)
         return task
