@@ -60,22 +60,13 @@ class FinetuneTask(TokenLoss):
         from .data.finetune import (FinetuneDataset, encode_chat, encode_pairs,
                                     split_validation)
         from .data.hf_tokenizer import load_tokenizer
-        from .data.records import read_rows
         quiet_transformers()
         d = cfg.data
-        tokenizer_dir = Path(d.tokenizer if Path(d.tokenizer).expanduser().is_dir()
-                             else cfg.model.path).expanduser()
+        tokenizer_dir = pretrained_tokenizer_dir(cfg)
         check_causal_lm(cfg.model.path)
         tokenizer, note = load_tokenizer(tokenizer_dir)
         notes = [note] if note else []
-        if records is not None:
-            train_rows, val_rows = records.train, records.val
-        else:
-            if d.source == "stdlib":
-                raise ConfigError(f"data.format={d.format} needs data.source: a .jsonl, "
-                                  ".parquet or .csv file (or a datasets folder) of records")
-            train_rows = read_rows(d.source, what="data.source")
-            val_rows = read_rows(d.val_source, what="data.val_source") if d.val_source else None
+        train_rows, val_rows = read_records(cfg, records)
 
         def encode(rows: list, name: str) -> list:
             if d.format == "chat":
@@ -156,12 +147,39 @@ class FinetuneTask(TokenLoss):
     def _copy_tokenizer(self, folder: Path) -> None:
         """The tokenizer's files as they are; a chat template given as a file goes next to them
         (transformers reads chat_template.jinja), so generation renders prompts the same way."""
-        for name in TOKENIZER_FILES:
-            if (self.tokenizer_dir / name).is_file():
-                shutil.copyfile(self.tokenizer_dir / name, folder / name)
+        copy_tokenizer_files(self.tokenizer_dir, folder)
         template = Path(self.cfg.data.chat_template).expanduser()
         if self.cfg.data.chat_template not in ("auto", "none") and template.is_file():
             shutil.copyfile(template, folder / "chat_template.jinja")
+
+
+def pretrained_tokenizer_dir(cfg: TrainConfig) -> Path:
+    """data.tokenizer when it names a directory, else the model's own folder."""
+    d = cfg.data
+    return Path(d.tokenizer if Path(d.tokenizer).expanduser().is_dir()
+                else cfg.model.path).expanduser()
+
+
+def read_records(cfg: TrainConfig, records: Optional[FinetuneRecords]
+                 ) -> tuple[list, Optional[list]]:
+    """(training rows, validation rows or None): the Python API's lists, else data.source and
+    data.val_source read as records."""
+    from .data.records import read_rows
+    if records is not None:
+        return records.train, records.val
+    d = cfg.data
+    if d.source == "stdlib":
+        raise ConfigError(f"data.format={d.format} needs data.source: a .jsonl, .parquet or .csv "
+                          "file (or a datasets folder) of records")
+    train_rows = read_rows(d.source, what="data.source")
+    return train_rows, read_rows(d.val_source, what="data.val_source") if d.val_source else None
+
+
+def copy_tokenizer_files(tokenizer_dir: Path, folder: Path) -> None:
+    """A pretrained tokenizer's files copied as they are (never re-saved: byte for byte)."""
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, folder / name)
 
 
 def quiet_transformers() -> None:

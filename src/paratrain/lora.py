@@ -20,8 +20,10 @@ from .fileio import atomic_dir
 ADAPTER_DIR = "adapter"
 
 
-def apply_lora(model: nn.Module, lora: Any) -> nn.Module:
-    """`model` with adapters on `lora.target_modules` (config.LoraConfig), base frozen."""
+def apply_lora(model: nn.Module, lora: Any, task_type: str = "CAUSAL_LM") -> nn.Module:
+    """`model` with adapters on `lora.target_modules` (config.LoraConfig), base frozen.
+    `task_type` "SEQ_CLS" (a classifier) also trains its new head in full (peft's
+    modules_to_save: the head is not pretrained, so an adapter on it would learn nothing)."""
     try:
         import peft
     except ImportError:
@@ -35,7 +37,7 @@ def apply_lora(model: nn.Module, lora: Any) -> nn.Module:
                           f"its linear layers are named: {', '.join(leaves[:8])}")
     config = peft.LoraConfig(r=int(lora.r), lora_alpha=float(lora.alpha),
                              lora_dropout=float(lora.dropout), target_modules=targets,
-                             task_type="CAUSAL_LM")
+                             task_type=task_type)
     return peft.get_peft_model(model, config)
 
 

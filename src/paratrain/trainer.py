@@ -55,10 +55,12 @@ class Trainer:
                 validation_input=[...], validation_output=[...], devices="cpu:2").fit()
 
     (`train_data=` may instead be a .jsonl / .parquet / .csv path, or a list of
-    {"input", "output"} or {"messages"} records.) Keyword arguments set `trainer.*` and `optim.*`
-    keys by name (devices=, strategy=, batch_size=, lr=, ...), plus `run_dir=`, `run_name=`,
-    `overwrite=`; `distributed_config={...}` sets `distributed.*`; `overrides=[...]` takes
-    dotted keys."""
+    {"input", "output"} or {"messages"} records.) `task="classify"` trains a text classifier
+    instead (AutoModelForSequenceClassification): train_input= the texts, train_output= their
+    labels (strings or ints), or {"text", "label"} records. Keyword arguments set `trainer.*`
+    and `optim.*` keys by name (devices=, strategy=, batch_size=, lr=, ...), plus `run_dir=`,
+    `run_name=`, `overwrite=`; `distributed_config={...}` sets `distributed.*`; `overrides=[...]`
+    takes dotted keys."""
 
     def __init__(self, cfg: Optional[TrainConfig] = None, *, overrides: Sequence[str] = (),
                  model: Optional[Callable[[], nn.Module]] = None, train_data: Any = None,
@@ -68,13 +70,17 @@ class Trainer:
                  train_input: Optional[Sequence[str]] = None,
                  train_output: Optional[Sequence[str]] = None,
                  validation_input: Optional[Sequence[str]] = None,
-                 validation_output: Optional[Sequence[str]] = None, **kwargs: Any):
+                 validation_output: Optional[Sequence[str]] = None, task: Optional[str] = None,
+                 **kwargs: Any):
         finetune: list[str] = []
         self.given: Any = None
         if isinstance(model, (str, Path)):  # a pretrained Hugging Face model directory
             self.given, finetune = _finetune_records(
                 str(model), train_data, val_data, train_input, train_output, validation_input,
-                validation_output)
+                validation_output, task=task)
+        elif task is not None:
+            raise ConfigError(f"task={task!r} applies to a pretrained model: pass model= its "
+                              "local directory")
         elif (model is None) != (train_data is None):
             raise ConfigError("pass model= (a factory returning an nn.Module) and train_data= (a "
                               "map-style dataset) together, or neither")
@@ -168,18 +174,25 @@ def _result(out: dict) -> RunResult:
                      is_master=out["is_master"])
 
 
-def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: Any
+def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: Any,
+                      task: Optional[str] = None
                       ) -> tuple[Optional[FinetuneRecords], list[str]]:
     """Trainer(model="DIR", ...): (the records to send to the workers, or None when they are
-    read from data.source; the config overrides that say so)."""
+    read from data.source; the config overrides that say so). `task`: pairs, chat or classify
+    (data.format); None: pairs, or what the records hold."""
+    from .config import FINETUNE_FORMATS
     from .data.records import read_rows, rows_from_lists
+    if task is not None and task not in FINETUNE_FORMATS:
+        raise ConfigError(f"task={task!r} is not one of: {', '.join(FINETUNE_FORMATS)} (or "
+                          "leave it out: pairs, or chat for records with messages)")
     train_input, train_output, val_input, val_output = lists
     over = ["model.arch=hf", f"model.path={model_dir}", "run.name=finetune"]
     if train_input is not None or train_output is not None:
-        train = rows_from_lists(train_input or [], train_output or [], what="train")
-        val = rows_from_lists(val_input or [], val_output or [], what="validation") \
+        fields = ("text", "label") if task == "classify" else ("input", "output")
+        train = rows_from_lists(train_input or [], train_output or [], *fields, what="train")
+        val = rows_from_lists(val_input or [], val_output or [], *fields, what="validation") \
             if val_input is not None or val_output is not None else None
-        return FinetuneRecords(train, val), over + ["data.format=pairs"]
+        return FinetuneRecords(train, val), over + [f"data.format={task or 'pairs'}"]
     if train_data is None:
         raise ConfigError("Trainer(model=DIR) fine-tunes on train_input=[...] and "
                           "train_output=[...], or train_data= (a .jsonl / .parquet / .csv path "
@@ -187,11 +200,13 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
     if isinstance(train_data, (str, Path)):
         over += [f"data.source={train_data}"] + ([f"data.val_source={val_data}"]
                                                  if isinstance(val_data, (str, Path)) else [])
-        return None, over + ["data.format=pairs"]
+        return None, over + [f"data.format={task or 'pairs'}"]
     train = read_rows(train_data, what="train_data")
     val = read_rows(val_data, what="val_data") if val_data is not None else None
-    chat = bool(train) and isinstance(train[0], dict) and "messages" in train[0]
-    return FinetuneRecords(train, val), over + [f"data.format={'chat' if chat else 'pairs'}"]
+    first = train[0] if train and isinstance(train[0], dict) else {}
+    kind = task or ("chat" if "messages" in first else
+                    "classify" if {"text", "label"} <= set(first) else "pairs")
+    return FinetuneRecords(train, val), over + [f"data.format={kind}"]
 
 
 def _dot_value(v: Any) -> str:

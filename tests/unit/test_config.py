@@ -86,3 +86,23 @@ def test_secrets_never_dumped():
     assert TrainConfig.from_yaml(None, []).to_yaml() == TrainConfig.from_yaml(None, []).to_yaml(
         redact=False)  # nothing in the defaults looks like a secret
     assert "pw@" not in cfg.to_yaml() and "bucket/ck" in cfg.to_yaml()
+
+
+def test_classify_and_packing_of_examples(tmp_path):
+    """data.format=classify needs a pretrained model; packing examples into one row is refused
+    with why and what to use instead (attention could cross from one example to the next)."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    hf = ["model.arch=hf", f"model.path={tmp_path}"]
+    cfg = TrainConfig.from_yaml(None, hf + ["data.format=classify", "data.label_field=y"])
+    assert cfg.data.label_field == "y" and cfg.data.text_field == "text"
+    with pytest.raises(ConfigError, match="data.format=classify fine-tunes a pretrained"):
+        TrainConfig.from_yaml(None, ["data.format=classify"])
+    with pytest.raises(ConfigError, match="needs data.text_field and data.label_field"):
+        TrainConfig.from_yaml(None, hf + ["data.format=classify", "data.label_field=''"])
+    for fmt in ("pairs", "chat"):
+        with pytest.raises(ConfigError) as e:
+            TrainConfig.from_yaml(None, hf + [f"data.format={fmt}", "data.pack=true"])
+        msg = str(e.value)
+        assert "\n" not in msg and "attention" in msg and "data.pack=false" in msg
+    with pytest.raises(ConfigError, match="already packs"):
+        TrainConfig.from_yaml(None, ["data.pack=true"])
