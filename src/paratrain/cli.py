@@ -41,11 +41,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
             print(f"paratrain: interrupted {stopped_message(cfg)}", file=sys.stderr, flush=True)
         return 128 + getattr(e, "signum", signal.SIGINT)
     if result.is_master:
+        accuracy = result.summary.get("val_accuracy")
         print(f"final loss {result.final_loss:.4f}"
               + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None
                  else "") + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
               + f"; run dir: {result.run_dir}")
-        accuracy = result.summary.get("val_accuracy")
     return 0
 
 
@@ -57,9 +57,6 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from .models.hf import generate_hf, is_hf_folder
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     mdir = model_dir_of(ns.run_dir)
-    if is_hf_folder(mdir):  # a fine-tuned Hugging Face model
-        print(generate_hf(mdir, ns.prompt, chat=_run_format(ns.run_dir) == "chat",
-                          max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
     if _run_format(ns.run_dir) == "classify":  # a classifier labels the prompt instead
         from .classify_task import classify_text
         label, p = classify_text(mdir, ns.prompt, device)
@@ -67,6 +64,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
               f"{p:.3f}) instead of continuing it", file=sys.stderr)
         print(label)
         return 0
+    if is_hf_folder(mdir):  # a fine-tuned Hugging Face model
+        print(generate_hf(mdir, ns.prompt, chat=_run_format(ns.run_dir) == "chat",
+                          max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
                           top_k=ns.top_k or None, seed=ns.seed, device=device))
         return 0
     model, tokenizer = load_model(ns.run_dir, device=device)

@@ -329,7 +329,6 @@ def validate(cfg: TrainConfig) -> None:
 def _check_data_format(cfg: TrainConfig) -> None:
     """Fine-tuning formats need a pretrained model and its tokenizer; corpora a tokenizer kind."""
     d = cfg.data
-    if d.format in FINETUNE_FORMATS:
     if d.pack:
         raise ConfigError(
             "data.pack=true is refused: packing several examples into one row lets attention "
@@ -341,15 +340,16 @@ def _check_data_format(cfg: TrainConfig) -> None:
             f"data.pack applies to data.format=pairs or chat; data.format={d.format} "
             + ("already packs documents into windows" if d.format == "packed" else
                "keeps one document per row"))
+    if d.format in FINETUNE_FORMATS:
         if cfg.model.arch != "hf":
             raise ConfigError(f"data.format={d.format} fine-tunes a pretrained Hugging Face "
                               f"model: set model.arch=hf model.path=DIR (got model.arch="
                               f"{cfg.model.arch}); export one of ours with `paratrain "
                               "checkpoint export RUN_DIR OUT --format hf`")
-        if cfg.model.lora.r < 0 or not cfg.model.lora.target_modules:
         if d.format == "classify" and not (d.text_field and d.label_field):
             raise ConfigError("data.format=classify needs data.text_field and data.label_field, "
                               "the names of the text and label fields of the records")
+        if cfg.model.lora.r < 0 or not cfg.model.lora.target_modules:
             raise ConfigError("model.lora.r must be >= 0 (0: off) and model.lora.target_modules "
                               "a non-empty list of module names")
         if d.max_length < 2:
