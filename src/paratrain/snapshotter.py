@@ -157,10 +157,20 @@ class Snapshotter:
 
     def _state_dicts(self) -> dict:
         """Model and optimizer as DCP sees them: FQNs without wrapper prefixes, shards as
-        DTensors under FSDP, so any strategy and world size can load them."""
+        DTensors under FSDP, so any strategy and world size can load them. Frozen parameters
+        (LoRA's base) never change and are rebuilt from model.path on resume, so they are left
+        out: a snapshot holds what training changes."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                            options=self._state_options())
         return {"model": model_sd, "optim": optim_sd}
+
+    def _state_options(self) -> Any:
+        """Trainable parameters only (and buffers) when some are frozen; then loading is not
+        strict, since the frozen ones are absent by design."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
     # ---- resume --------------------------------------------------------------------------
     def resume(self) -> Optional[Resumed]:
@@ -258,7 +268,7 @@ class Snapshotter:
             dcp.load(state, checkpoint_id=url, planner=snapshot_store.SafeLoadPlanner(),
                      process_group=self._pg, no_dist=not self.env.distributed)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=self._state_options())
         self.scheduler.load_state_dict(marker["scheduler"])
         if self.scaler is not None and marker.get("scaler"):
             self.scaler.load_state_dict(marker["scaler"])

@@ -281,6 +281,22 @@ def test_lora_fsdp_killed_and_rerun_ends_bit_identical(tmp_path, pretrained, pai
     assert_bit_identical(run_dir, ref)
     a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (run_dir, ref))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the snapshots hold what changes: the adapters and their optimizer state, not the base
+    import math
+
+    from torch.distributed.checkpoint import FileSystemReader
+    snaps = sorted((run_dir / "checkpoints").glob("step-*"))
+    assert snaps
+    adapter = sum(t.numel() for t in a.values())
+    base = sum(t.numel() for t in load_file(str(run_dir / "model" / "model.safetensors")).values())
+    for snap in snaps:
+        meta = FileSystemReader(str(snap)).read_metadata().state_dict_metadata
+        numel = {k: math.prod(v.size) for k, v in meta.items() if hasattr(v, "size")}
+        weights = [k for k in numel if k.startswith("model.")]
+        assert weights and all("lora_" in k for k in weights), weights[:5]
+        assert sum(numel[k] for k in weights) == adapter  # weights: the adapters alone
+        moments = sum(n for k, n in numel.items() if k.endswith(("exp_avg", "exp_avg_sq")))
+        assert moments == 2 * adapter and sum(numel.values()) < 0.1 * base
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
