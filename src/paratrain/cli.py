@@ -31,15 +31,18 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from .trainer import Trainer
     try:
         result = Trainer(cfg).fit()
-    except KeyboardInterrupt as e:  # Ctrl-C (errors.Interrupted when workers were running)
+    except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal (errors.Interrupted)
         import signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends us at once
         import os
+        from .preemption import signal_name
         from .rundir import stopped_message
+        signum = getattr(e, "signum", signal.SIGINT)
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal_name(signum)}"
         if (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0") == "0":
             # (under torchrun / Slurm every rank is a CLI: the line comes from rank 0 only)
-            print(f"paratrain: interrupted {stopped_message(cfg)}", file=sys.stderr, flush=True)
-        return 128 + getattr(e, "signum", signal.SIGINT)
+            print(f"paratrain: {how} {stopped_message(cfg)}", file=sys.stderr, flush=True)
+        return 128 + signum
     if result.is_master:
         accuracy = result.summary.get("val_accuracy")
         print(f"final loss {result.final_loss:.4f}"

@@ -147,6 +147,7 @@ class DistributedConfig:
     max_restarts: int = 0
     backend: str = "auto"
     rdzv: str = "static"  # static: node_rank fixes the order; c10d: torch's dynamic rendezvous
+    requeue: bool = False  # under Slurm: after a stop signal's snapshot, scontrol requeue the job
 
 
 @dataclass

@@ -105,6 +105,14 @@ class DistEnv:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.cpu()
 
+    def max_over_ranks(self, value: float) -> float:
+        """The largest of every rank's `value` (a flag that one rank raised, seen by all)."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.collective_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
     def weighted_mean(self, total: float, count: float) -> float:
         """Sum of per-token values and token count over all ranks -> the token-weighted mean."""
         s, n = self.all_reduce_sum([total, count]).tolist()

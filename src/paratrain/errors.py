@@ -29,8 +29,9 @@ class CheckpointError(ParatrainError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """The job was stopped by a signal (Ctrl-C, or SIGTERM to the launcher) after its workers
-    were stopped; the CLI says where it stopped and exits with 128 + the signal number."""
+    """The job was stopped by a signal (Ctrl-C, SIGTERM, SIGUSR1; to the launcher or to any
+    worker), normally after every rank finished its step and a snapshot was committed; the CLI
+    says where it stopped and exits with 128 + the signal number (130, 143, 138)."""
 
     def __init__(self, signum: int = 2):
         super().__init__(signum)

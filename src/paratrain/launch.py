@@ -155,6 +155,11 @@ def detect_launcher(environ: Mapping[str, str] = os.environ) -> Optional[Launche
     return None
 
 
+def slurm_job_id(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The Slurm job this process runs in (None outside Slurm): what `scontrol requeue` takes."""
+    return environ.get("SLURM_JOB_ID") or None
+
+
 def slurm_master(environ: Mapping[str, str]) -> tuple[str, int]:
     """Slurm does not say where rank 0 listens: first host of the node list, a port from the job
     id (the same on every node, distinct between concurrent jobs)."""

@@ -31,6 +31,7 @@ from .dist import DistEnv
 from .early_stop import BestTracker
 from .memory import SavedTensorMeter, format_memory_table, gather_memory, local_bytes
 from .metrics import MetricsLog, Throughput
+from .preemption import StopSignals, stop_line
 from .runplan import RunPlan
 from .snapshotter import Resumed, Snapshotter
 from .task import Task
@@ -42,7 +43,8 @@ class TrainLoop:
     def __init__(self, plan: RunPlan, env: DistEnv, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, task: Task, *,
                  snapshots: Optional[Snapshotter] = None, resumed: Optional[Resumed] = None,
-                 on_best: Optional[Callable[[int], None]] = None):
+                 on_best: Optional[Callable[[int], None]] = None,
+                 stop: Optional[StopSignals] = None):
         cfg = plan.cfg
         self.plan, self.cfg, self.env, self.model = plan, cfg, env, model
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
@@ -77,6 +79,8 @@ class TrainLoop:
         self.best = BestTracker(tr.early_stopping_patience, tr.early_stopping_threshold)
         self.on_best = on_best  # called (on every rank) after an evaluation that is the best
         self.stopped_early: Optional[str] = None  # why the loop stopped before total_steps
+        self.stop = stop  # stop signals this process noted (preemption.py)
+        self.stopped_by = 0  # the signal every rank agreed to stop on (0: none)
         self.val_metrics: dict = {}  # the last evaluation's figures besides the loss (accuracy)
         self.best_metrics: dict = {}  # those of the best evaluation (keep_best reports them)
         if resumed is not None:
@@ -125,8 +129,17 @@ class TrainLoop:
         batches = self._micro_batches()
         t0 = t_step = time.perf_counter()
         c_step = time.process_time()
+        saved_at = self.step  # the resume point is a committed snapshot already
         try:
             while self.step < self.total_steps:
+                if self._stop_agreed():  # a stop signal: snapshot after the step just done
+                    bar.write(stop_line(self.stopped_by, self.step))
+                    if self.snapshots is not None:
+                        if saved_at != self.step:
+                            self.snapshots.save(self.step, {"loss_sum": loss_sum, "count": count,
+                                                            "best": self.best.state_dict()})
+                        self.snapshots.wait()  # committed before this rank leaves
+                    break
                 t_data = time.perf_counter()
                 self.progress.at(self.step + 1, "data")
                 micro = [next(batches) for _ in range(self.accum)]
@@ -167,6 +180,7 @@ class TrainLoop:
                     # comes out the same after a resume
                     self.snapshots.save(self.step, {"loss_sum": loss_sum, "count": count,
                                                     "best": self.best.state_dict()})
+                    saved_at = self.step
                 now = time.perf_counter()
                 self.step_times.append(now - t_step)
                 t_step, c_prev, c_step = now, c_step, time.process_time()
@@ -181,6 +195,14 @@ class TrainLoop:
             mlog.close()
             slog.close()
         return last
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank got a stop signal; every rank learns it at the same step boundary
+        (one all-reduce of one number per step when distributed)."""
+        if self.stop is None:
+            return False
+        self.stopped_by = int(self.env.max_over_ranks(self.stop.signum))
+        return self.stopped_by != 0
 
     def _train_step(self, micro: list[Any]) -> tuple[float, float, float, float]:
         """One optimizer step over `accum` micro-batches; returns this rank's (sum of losses,

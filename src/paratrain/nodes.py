@@ -30,8 +30,10 @@ from . import errors
 from .errors import ConfigError, TrainingError
 from .formatting import first_line, flatten
 from .launch import failure_to_error, free_port
+from .preemption import AGENT_SIGNALS_ENV, ForwardToWorkers
 
-_AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# The signals whose handlers the agent or ForwardToWorkers replace while workers run.
+_AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 # ---- nodes meet before any worker starts ------------------------------------------------------
 _NODES = "paratrain/nodes"
@@ -92,9 +94,13 @@ class NodeGroup:
             raise TrainingError(f"node 0 stopped while deciding {what}; see its log") from None
 
     def launch(self, entrypoint: Callable[..., Any], args: Sequence[Any], *,
-               max_restarts: int = 0) -> dict[int, Any]:
+               max_restarts: int = 0, grace_s: float = 300.0) -> dict[int, Any]:
         """Start `nproc` workers here with the elastic agent; {global rank: return value} of this
-        node's workers. A stall verdict published by a worker wins over the agent's report."""
+        node's workers. A stall verdict published by a worker wins over the agent's report.
+
+        A stop signal to this process (SIGINT, SIGTERM, SIGUSR1) goes on to the workers, which
+        finish their step, commit a snapshot and return; after `grace_s`, or a second signal,
+        the agent stops them at once (preemption.ForwardToWorkers)."""
         from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -121,18 +127,27 @@ class NodeGroup:
         # so ours come back afterwards; only the main thread may set them).
         main = threading.current_thread() is threading.main_thread()
         handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS} if main else {}
+        stops = ForwardToWorkers(grace_s).install()
+        env_key, agent_signals = AGENT_SIGNALS_ENV
+        before = os.environ.get(env_key)
+        os.environ[env_key] = agent_signals  # read by the agent when it starts the workers
         try:
             return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as e:
             verdict = reaper.verdict() or {}
             raise (TrainingError(verdict["message"]) if "message" in verdict
                    else failure_to_error(e)) from None
-        except SignalException as e:  # Ctrl-C: the agent has stopped the workers (a second
-            _restore(handlers)  # Ctrl-C may have cut that short, and is KeyboardInterrupt now)
+        except SignalException as e:  # a second stop signal, or the grace ran out: the agent
+            _restore(handlers)  # has stopped the workers; a third signal is KeyboardInterrupt
             for p in multiprocessing.active_children():
                 p.kill()
             raise errors.Interrupted(int(e.sigval)) from None
         finally:
+            if before is None:
+                os.environ.pop(env_key, None)
+            else:
+                os.environ[env_key] = before
+            stops.restore()
             reaper.stop()
             _restore(handlers)
 

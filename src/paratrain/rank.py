@@ -23,6 +23,7 @@ from .memory import format_memory_table, gather_memory
 from .model_io import MODEL_DIR, full_state_dict
 from .models import count_params
 from .parallel import parallelize
+from .preemption import StopSignals
 from .precision import prepare_model
 from .redact import redact_url
 from .rundir import check_run_dir, prepare_run_dir
@@ -36,21 +37,25 @@ BEST_DIR = ".best"  # keep_best: the best evaluation's outputs until the run end
 
 def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
              given: Any = None) -> dict:
-    """The run on this rank; {"summary", "run_dir", "is_master"}. `plan` None: this rank was
-    started by torchrun / Slurm, so it checks the run dir and plans for itself. `given`: what
-    the Python API was handed (see `prepare_task`)."""
+    """The run on this rank; {"summary", "run_dir", "is_master", "stopped_by"}. `plan` None:
+    this rank was started by torchrun / Slurm, so it checks the run dir and plans for itself.
+    `given`: what the Python API was handed (see `prepare_task`). A stop signal ends the run
+    early with a committed snapshot and `stopped_by` set to the signal number."""
     from .launch import cpu_count
     t_start = time.perf_counter()
     if env.device.type == "cpu":  # ranks sharing the cores: one slice each, not all each
         threads = plan.cpu_threads if plan is not None else cpu_count() // env.local_world_size
         torch.set_num_threads(max(1, threads))
     if plan is None and env.is_master:  # before init: nobody has written anything yet
-        check_run_dir(cfg, env.attempt)
+        note = check_run_dir(cfg, env.attempt)
+        if note:
+            log(env, note)
     env.init()
     # Names a stalled rank instead of a bare collective timeout; stacks go to the run dir.
     stall_watchdog = watchdog.Watchdog.start(env, cfg.run_dir, cfg.distributed.timeout_s)
     model = optimizer = snapshots = records = None
     failed = False
+    stop = StopSignals().install()  # noted from now on; the loop acts on it between steps
     try:
         # the calling process, when there is one, already logged what preparing the data found
         task = prepare_task(cfg, env, given, quiet=plan is not None)
@@ -76,10 +81,13 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
 
         loop = TrainLoop(plan, env, model, optimizer, scheduler, scaler, task,
                          snapshots=snapshots, resumed=resumed,
-                         on_best=save_best if cfg.trainer.keep_best else None)
+                         on_best=save_best if cfg.trainer.keep_best else None, stop=stop)
         stall_watchdog.watch(loop.progress)
         records = loggers.RunRecords.open(cfg, env, start_step=loop.step)  # TensorBoard, ...
         last = loop.run(records)
+        if loop.stopped_by:  # a stop signal: the snapshot is committed; no evaluation, no model
+            return {"summary": {}, "run_dir": str(cfg.run_dir), "is_master": env.is_master,
+                    "stopped_by": loop.stopped_by, "step": loop.step}
         snapshots.wait()  # the last snapshot in flight is committed before anything else
         val_loss = loop.evaluate()
         val_metrics = loop.val_metrics  # e.g. accuracy, for a classifier
@@ -115,7 +123,8 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
             log(env, f"done in {summary['wall_s']:.1f} s: final loss "
                      f"{summary['final_loss']:.4f}; outputs in {cfg.run_dir}")
         env.barrier()  # nobody leaves before rank 0 has written the model
-        return {"summary": summary, "run_dir": str(cfg.run_dir), "is_master": env.is_master}
+        return {"summary": summary, "run_dir": str(cfg.run_dir), "is_master": env.is_master,
+                "stopped_by": 0}
     except Exception as e:
         failed = True
         stalled = stall_watchdog.explain(e)  # a collective timed out: who stalled, and where
@@ -126,6 +135,7 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
         failed = True
         raise
     finally:
+        stop.restore()
         stall_watchdog.stop()
         if records is not None:
             records.close()

@@ -1,8 +1,9 @@
 """The rule for when an existing run dir may be written into, and getting it ready.
 
-A typo must never cost a run: a directory that holds another run is refused unless
-`run.overwrite=true`. Not in the way: an unfinished run that `checkpoint.resume` continues from a
-committed snapshot, and our own run when the elastic agent restarts its workers.
+A typo must never cost a run: a directory that holds a finished run is refused unless
+`run.overwrite=true`. The same command after any kill goes on: an unfinished run continues from
+its newest committed snapshot or, with none, starts over; and the elastic agent's restarted
+workers continue their own run.
 """
 
 from __future__ import annotations
@@ -21,37 +22,39 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", MODEL_DIR)
 PER_STEP_LOGS = ("metrics.jsonl", "samples.jsonl")  # one JSON line per step; trimmed on resume
 
 
-def check_run_dir(cfg: TrainConfig, attempt: int = 0) -> None:
-    """Refuse to write over another run unless told to (RunDirError, one line)."""
+def check_run_dir(cfg: TrainConfig, attempt: int = 0) -> Optional[str]:
+    """Refuse to write over another run unless told to (RunDirError, one line). Returns a line
+    to log when the run dir holds an unfinished run that starts over.
+
+    The same command always goes on: an unfinished run (no summary.json) continues from its
+    newest committed snapshot, or, killed before its first one, starts over from step 0 (it
+    holds nothing worth keeping). Refused: a finished run, and an unfinished one with snapshots
+    that `checkpoint.resume=never` says not to use."""
     d = cfg.run_dir
     if d.exists() and not d.is_dir():
         raise RunDirError(f"run.dir {str(d)!r} is a file; choose another run.name or run.dir")
     existing = [f for f in RUN_FILES if (d / f).exists()]
-    if existing and not cfg.run.overwrite and attempt == 0 and not continues(cfg, existing):
-        if "summary.json" in existing:
-            state = "a finished run"
-            resume = "; only an unfinished run with a committed snapshot " \
-                "(checkpoint.every_steps=N) is continued, by running the same command again"
-        elif cfg.checkpoint.resume == "never":
-            state, resume = "an unfinished run", " or checkpoint.resume=auto to continue it"
-        else:
-            state = "an unfinished run without a committed snapshot (nothing to continue from)"
-            resume = "; to make a run continuable, take snapshots (checkpoint.every_steps=N): " \
-                "the same command then resumes it"
-        raise RunDirError(f"run.dir {str(d)!r} already holds {state} ({', '.join(existing)}); "
-                          "start a new run with another run.name (Python: run_name=...), or "
-                          "replace it with run.overwrite=true (Python: overwrite=True)" + resume)
-
-
-def continues(cfg: TrainConfig, existing: list[str]) -> bool:
-    """Whether a run dir that holds `existing` run files is a run this config continues: it is
-    unfinished (no summary.json) and checkpoint.resume names a snapshot, or is `auto` and a
-    committed one exists."""
-    if "summary.json" in existing or cfg.checkpoint.resume == "never":
-        return False
-    if cfg.checkpoint.resume != "auto":
-        return True
-    return any(s.committed for s in Store(root_of(cfg)).snapshots())
+    if not existing or cfg.run.overwrite or attempt > 0:
+        return None
+    ways = ("start a new run with another run.name (Python: run_name=...), or replace it with "
+            "run.overwrite=true (Python: overwrite=True)")
+    if "summary.json" in existing:
+        raise RunDirError(
+            f"run.dir {str(d)!r} already holds a finished run ({', '.join(existing)}); {ways}; "
+            "only an unfinished run is continued, by running the same command again (it resumes "
+            "from its newest committed snapshot: checkpoint.every_steps=N takes them)")
+    mode = cfg.checkpoint.resume
+    if mode not in ("auto", "never"):  # a named snapshot: resume from it
+        return None
+    if any(s.committed for s in Store(root_of(cfg)).snapshots()):
+        if mode == "auto":
+            return None
+        raise RunDirError(
+            f"run.dir {str(d)!r} already holds an unfinished run with committed snapshots "
+            f"({', '.join(existing)}) and checkpoint.resume=never; pass checkpoint.resume=auto "
+            f"to continue it, or {ways}")
+    return (f"run.dir {d} holds an unfinished run with no committed snapshot (stopped before "
+            "its first one): starting over from step 0")
 
 
 def prepare_run_dir(cfg: TrainConfig, resumed_step: Optional[int]) -> Path:
@@ -113,5 +116,5 @@ def stopped_message(cfg: TrainConfig) -> str:
                 f"{how}")
     if not any((cfg.run_dir / f).exists() for f in RUN_FILES):
         return f"{where}; nothing was written, so the same command starts afresh"
-    return (f"{where}; no snapshot was committed (checkpoint.every_steps=N takes them), so "
-            "there is nothing to resume: add run.overwrite=true to start again")
+    return (f"{where}; no snapshot was committed, so the same command starts over from step 0 "
+            "(checkpoint.every_steps=N takes snapshots)")

@@ -17,10 +17,12 @@ from torch import nn
 
 from . import launch
 from .config import TrainConfig
+from .console import log
 from .dist import DistEnv, restart_attempt
-from .errors import ConfigError
+from .errors import ConfigError, Interrupted
 from .nodes import join_nodes
 from .parallel import processes_per_node
+from .preemption import requeue_slurm_job
 from .rank import prepare_task, run_rank
 from .rundir import check_run_dir
 from .runplan import RunPlan, auto_choice, make_plan
@@ -107,8 +109,23 @@ class Trainer:
                                   tuple(fsdp_wrap))
 
     def fit(self) -> RunResult:
+        """Train; a stop signal (Ctrl-C, SIGTERM, SIGUSR1) raises `errors.Interrupted` once a
+        snapshot is committed, after requeueing the Slurm job when `distributed.requeue`."""
         cfg = self.cfg
         launcher = launch.detect_launcher()
+        job_id = launch.slurm_job_id()
+        if cfg.distributed.requeue and job_id is None:
+            raise ConfigError("distributed.requeue=true requeues a Slurm job, but this is not one "
+                              "(SLURM_JOB_ID is not set); submit with sbatch, or drop the key")
+        try:
+            return self._fit(cfg, launcher)
+        except Interrupted:
+            first = launcher.rank == 0 if launcher is not None else cfg.distributed.node_rank == 0
+            if cfg.distributed.requeue and first and job_id is not None:
+                log(DistEnv(), requeue_slurm_job(job_id))
+            raise
+
+    def _fit(self, cfg: TrainConfig, launcher: Optional[launch.LauncherEnv]) -> RunResult:
         if launcher is not None:  # torchrun / Slurm started us: we are one rank; it plans itself
             env = launch.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
                                          cfg.distributed.timeout_s)
@@ -122,7 +139,9 @@ class Trainer:
             check_picklable(model=u.model_factory, train_data=u.train_ds, val_data=u.val_ds,
                             loss_fn=u.loss_fn, collate_fn=u.collate_fn)
         if d.node_rank == 0:  # only node 0 writes outputs
-            check_run_dir(cfg)
+            note = check_run_dir(cfg)
+            if note:
+                log(DistEnv(), note)
         nproc = processes_per_node(cfg.trainer.strategy, len(devices))
         if nproc == 1 and d.nnodes == 1:  # one process: train right here
             env = DistEnv.single(devices[0])
@@ -142,7 +161,10 @@ class Trainer:
                              local_world_size=nproc, choice=choice,
                              ranks_on_host=nodes.ranks_on_host)
             results = nodes.launch(worker_entry, (plan, self.given),
-                                   max_restarts=d.max_restarts)
+                                   max_restarts=d.max_restarts, grace_s=d.timeout_s)
+        stopped = [r["stopped_by"] for r in results.values() if r.get("stopped_by")]
+        if stopped:  # a stop signal reached a worker, not us: the job stopped all the same
+            raise Interrupted(stopped[0])
         return _result(results[min(results)])
 
 
@@ -168,6 +190,8 @@ def _worker_main(plan: RunPlan, given: Any) -> dict:
 
 
 def _result(out: dict) -> RunResult:
+    if out.get("stopped_by"):
+        raise Interrupted(out["stopped_by"])
     s = out["summary"]
     return RunResult(run_dir=Path(out["run_dir"]), final_loss=s.get("final_loss"),
                      val_loss=s.get("val_loss"), steps=s.get("steps", 0), summary=s,

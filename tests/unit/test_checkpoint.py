@@ -241,12 +241,13 @@ def test_run_dir_with_an_unfinished_run_and_a_snapshot_is_a_resume(tmp_path):
     run = cfg.run_dir
     run.mkdir()
     (run / "metrics.jsonl").write_text("")
-    with pytest.raises(RunDirError):  # nothing to resume from
-        check_run_dir(cfg)
-    check_run_dir(cfg, attempt=1)  # a restarted worker group continues its own run
+    # killed before its first snapshot: nothing to resume from, so it starts over
+    assert "starting over from step 0" in check_run_dir(cfg)
+    assert "starting over" in check_run_dir(cfg.with_overrides(["checkpoint.resume=never"]))
+    assert check_run_dir(cfg, attempt=1) is None  # a restarted worker group continues its own run
     _fake_snapshot(run / "checkpoints", 4)
-    check_run_dir(cfg)  # resume=auto and a committed snapshot
-    with pytest.raises(RunDirError):
+    assert check_run_dir(cfg) is None  # resume=auto and a committed snapshot: resumes
+    with pytest.raises(RunDirError, match="checkpoint.resume=auto"):
         check_run_dir(cfg.with_overrides(["checkpoint.resume=never"]))
     (run / "summary.json").write_text("{}")
     with pytest.raises(RunDirError):  # a finished run is not continued
