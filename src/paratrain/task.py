@@ -7,6 +7,10 @@ The loop is the same for every task; what differs lives behind `Task`, a typing.
   is the user's batch mean times the samples, so the same rule holds per sample.
 The unit the loss counts (tokens, samples) is called a *loss unit* everywhere: the loop weights
 gradients by it, and throughput (`tokens_per_s`) counts it, so pads are never counted.
+A task may also count more than the loss at validation (optional, not in the protocol):
+`eval_counts(model, batch, device, amp)` -> (loss sum, loss units, {name: count}) and
+`eval_metrics({name: summed count})` -> figures reported with the validation loss; the loop sums
+the counts over every validation sample once and over all ranks (classify_task.py: accuracy).
 """
 
 from __future__ import annotations

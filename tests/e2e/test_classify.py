@@ -158,3 +158,20 @@ def test_python_api_classifies_lists(tmp_path, base_model, monkeypatch):
     assert 0.0 <= result.summary["val_accuracy"] <= 1.0
     config = json.loads((tmp_path / "api" / "model" / "config.json").read_text())
     assert config["id2label"] == {"0": "0", "1": "1"}
+
+
+def test_lora_classifier_trains_the_new_head_and_saves_both(tmp_path, base_model, data):
+    """LoRA on a classifier: adapters plus the new head (peft's modules_to_save); model/ is the
+    merged classifier, and its accuracy is the one the run reported."""
+    pytest.importorskip("peft")
+    train, val = data
+    run_dir = tmp_path / "lora"
+    r = run_cli(_args(base_model, train, val, run_dir, **{
+        "trainer.devices": "cpu", "trainer.batch_size": 16, "model.lora.r": 4,
+        "trainer.max_steps": 4}), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    s = read_summary(run_dir)
+    rows = [json.loads(line) for line in val.read_text().splitlines()]
+    assert accuracy_with_transformers(run_dir / "model", rows) == pytest.approx(
+        s["val_accuracy"], abs=1e-9)
