@@ -362,11 +362,12 @@ def _check_data_format(cfg: TrainConfig) -> None:
         return
     if cfg.model.lora.r:
         raise ConfigError("model.lora applies to a pretrained Hugging Face model being "
-                          "fine-tuned: use model.arch=hf with data.format=pairs or chat")
+                          "fine-tuned: use model.arch=hf with data.format=pairs, chat or "
+                          "classify")
     if d.tokenizer not in TOKENIZERS:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not one of: "
                           f"{', '.join(TOKENIZERS)} (a pretrained tokenizer directory works "
-                          "with data.format=pairs or chat)")
+                          "with data.format=pairs, chat or classify; not yet for a corpus)")
 
 
 def _choice(key: str, value: str, allowed: Sequence[str]) -> None:
