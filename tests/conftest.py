@@ -46,6 +46,31 @@ def tiny_overrides(corpus_dir: Path, cache_dir: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def make_hf_tokenizer(out: Path, texts: list[str], vocab_size: int = 400, bos: bool = True,
+                      pad: bool = False) -> Path:
+    """A pretrained-style tokenizer folder, made offline: byte-level BPE trained on `texts`, its
+    special tokens added after the vocabulary (ids vocab_size.., not 0/1/2), saved with
+    transformers' PreTrainedTokenizerFast.save_pretrained. `bos`: "<s>"/"</s>" (Llama-like),
+    else "<|endoftext|>" as EOS alone (GPT-2-like); `pad`: a "<pad>" token too."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(texts, trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    specials = ({"bos_token": "<s>", "eos_token": "</s>"} if bos else
+                {"eos_token": "<|endoftext|>"})
+    if pad:
+        specials["pad_token"] = "<pad>"
+    hf.add_special_tokens(list(specials.values()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=hf, **specials)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out)
+    return out
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float = 180, env: dict | None = None,
             module: str = "paratrain", launcher: list[str] | None = None
             ) -> subprocess.CompletedProcess:

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TrainConfig
-from .data.tokenizer import TOKENIZER_FILE
+from .data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from .errors import ConfigError
 from .fileio import atomic_dir
-from .finetune_task import (FinetuneRecords, copy_tokenizer_files, pretrained_tokenizer_dir,
+from .finetune_task import (FinetuneRecords, pretrained_tokenizer_dir,
                             quiet_transformers, read_records)
 from .formatting import human_count
 from .task import MemoryProbe, to_device

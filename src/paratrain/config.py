@@ -71,7 +71,7 @@ class DataConfig:
     label_field: str = "label"  # classify: the label (strings: ids in sorted order; or ints)
     seq_length: int = 256
     vocab_size: int = 4096  # BPE vocabulary to train
-    tokenizer: str = "bpe"  # bpe | char | DIR: a pretrained tokenizer (pairs / chat)
+    tokenizer: str = "bpe"  # bpe | char (trained on the corpus) | DIR: a pretrained tokenizer
     format: str = "packed"  # packed | padded | pairs (input->output) | chat (messages) |
     # classify (text -> label, a sequence-classification model)
     pack: bool = False  # pairs / chat: several examples per row (refused: see _check_data_format)
@@ -364,10 +364,10 @@ def _check_data_format(cfg: TrainConfig) -> None:
         raise ConfigError("model.lora applies to a pretrained Hugging Face model being "
                           "fine-tuned: use model.arch=hf with data.format=pairs, chat or "
                           "classify")
-    if d.tokenizer not in TOKENIZERS:
+    if d.tokenizer not in TOKENIZERS and not Path(d.tokenizer).expanduser().is_dir():
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not one of: "
-                          f"{', '.join(TOKENIZERS)} (a pretrained tokenizer directory works "
-                          "with data.format=pairs, chat or classify; not yet for a corpus)")
+                          f"{', '.join(TOKENIZERS)}, or a directory (a pretrained tokenizer "
+                          "saved with save_pretrained)")
 
 
 def _choice(key: str, value: str, allowed: Sequence[str]) -> None:

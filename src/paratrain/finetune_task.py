@@ -18,16 +18,11 @@ from typing import Any, Callable, Optional, Sequence
 from torch import nn
 
 from .config import TrainConfig
-from .data.tokenizer import TOKENIZER_FILE
+from .data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from .errors import ConfigError
 from .fileio import atomic_dir
 from .formatting import human_count
 from .task import MemoryProbe, TokenLoss
-
-# what a tokenizer saved with save_pretrained may consist of: copied as they are into model/
-TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json")
 
 
 @dataclass
@@ -173,13 +168,6 @@ def read_records(cfg: TrainConfig, records: Optional[FinetuneRecords]
                           "file (or a datasets folder) of records")
     train_rows = read_rows(d.source, what="data.source")
     return train_rows, read_rows(d.val_source, what="data.val_source") if d.val_source else None
-
-
-def copy_tokenizer_files(tokenizer_dir: Path, folder: Path) -> None:
-    """A pretrained tokenizer's files copied as they are (never re-saved: byte for byte)."""
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copyfile(tokenizer_dir / name, folder / name)
 
 
 def quiet_transformers() -> None:

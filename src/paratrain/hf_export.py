@@ -14,6 +14,10 @@ Anything our model has that HF Llama would silently compute differently (an unkn
 extra or missing tensor, a wrong shape) is refused with a ConfigError instead of exported.
 Dropout is a training-time option and is not carried over (HF's attention_dropout is 0).
 
+The tokenizer: ours (tokenizer.json alone) becomes a transformers fast tokenizer with [BOT], [EOT],
+[PAD] as its BOS, EOS and pad tokens; a pretrained one (`data.tokenizer=DIR`, whose files model/
+carries) is copied as it is, and the model's BOS/EOS/pad ids are its own.
+
 transformers is imported inside the functions: it is an optional extra (`paratrain[hf]`), and
 a missing one is reported as a ConfigError that says how to install it.
 """
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .data.tokenizer import TOKENIZER_FILE as TOKENIZER
+from .data.tokenizer import copy_tokenizer_files
 from .errors import ConfigError, ParatrainError
 from .fileio import atomic_dir
 from .model_io import MODEL_CONFIG, WEIGHTS, model_dir_of
@@ -32,6 +37,7 @@ from .model_io import MODEL_CONFIG, WEIGHTS, model_dir_of
 if TYPE_CHECKING:
     import torch
 
+    from .data import Tokenizer
     from .models import ModelArgs
 
 # Every ModelArgs field and what becomes of it in HF; a field not listed here is an option this
@@ -99,14 +105,17 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, overwrite: bool = F
 
     from safetensors.torch import load_file, save_file
     tensors = hf_state_dict(load_file(str(mdir / WEIGHTS), device="cpu"), args)
-    tokenizer = _hf_tokenizer(tok_path, args)
+    ours = _our_tokenizer(tok_path, args)
     with atomic_dir(out) as tmp:
-        _hf_config(args).save_pretrained(str(tmp))
-        _generation_config().save_pretrained(str(tmp))
+        _hf_config(args, ours).save_pretrained(str(tmp))
+        _generation_config(ours).save_pretrained(str(tmp))
         save_file(tensors, str(tmp / "model.safetensors"),
                   metadata={"format": "pt", "producer": "paratrain"})
-        tokenizer.save_pretrained(str(tmp))
-        _portable(tmp, args)
+        if ours.kind == "pretrained":  # its own files, as they are
+            copy_tokenizer_files(mdir, tmp)
+        else:
+            _hf_tokenizer(tok_path, ours, args).save_pretrained(str(tmp))
+        _portable(tmp, args, tokenizer_class=ours.kind != "pretrained")
     return out
 
 
@@ -164,11 +173,8 @@ def interleaved_to_half(w: "torch.Tensor", n_heads: int) -> "torch.Tensor":
                                                                                       in_dim)
 
 
-def _hf_config(args: "ModelArgs"):
+def _hf_config(args: "ModelArgs", tokenizer: "Tokenizer"):
     from transformers import LlamaConfig
-
-    from .data.tokenizer import BOT, EOT, PAD, SPECIAL_TOKENS
-    ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     return LlamaConfig(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
@@ -176,46 +182,53 @@ def _hf_config(args: "ModelArgs"):
         head_dim=args.head_dim, hidden_act="silu", max_position_embeddings=args.max_seq_length,
         rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
         tie_word_embeddings=args.tie_embeddings, attention_bias=False, mlp_bias=False,
-        attention_dropout=0.0, bos_token_id=ids[BOT], eos_token_id=ids[EOT],
-        pad_token_id=ids[PAD], architectures=["LlamaForCausalLM"])
+        attention_dropout=0.0, bos_token_id=tokenizer.bot_id, eos_token_id=tokenizer.eot_id,
+        pad_token_id=tokenizer.pad_id, architectures=["LlamaForCausalLM"])
 
 
-def _portable(folder: Path, args: "ModelArgs") -> None:
+def _portable(folder: Path, args: "ModelArgs", tokenizer_class: bool) -> None:
     """Readable by transformers 4.x as well as 5.x: 5.x writes rope_theta only inside
     rope_parameters (4.x would ignore it and use 10000), `dtype` for `torch_dtype` and names the
-    tokenizer class TokenizersBackend (unknown to 4.x); 5.x reads the older spellings too."""
+    tokenizer class TokenizersBackend (unknown to 4.x); 5.x reads the older spellings too.
+    `tokenizer_class`: the tokenizer was written here (a pretrained one is left as it is)."""
     cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.setdefault("rope_theta", args.rope_theta)
     cfg.setdefault("torch_dtype", "float32")
     cfg.setdefault("dtype", "float32")
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if not tokenizer_class:
+        return
     tc_path = folder / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text())
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
     tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
 
 
-def _generation_config():
+def _generation_config(tokenizer: "Tokenizer"):
     from transformers import GenerationConfig
-
-    from .data.tokenizer import BOT, EOT, PAD, SPECIAL_TOKENS
-    ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    return GenerationConfig(bos_token_id=ids[BOT], eos_token_id=ids[EOT], pad_token_id=ids[PAD])
+    return GenerationConfig(bos_token_id=tokenizer.bot_id, eos_token_id=tokenizer.eot_id,
+                            pad_token_id=tokenizer.pad_id)
 
 
-def _hf_tokenizer(tok_path: Path, args: "ModelArgs"):
+def _our_tokenizer(tok_path: Path, args: "ModelArgs") -> "Tokenizer":
+    """model/'s tokenizer (ours, its special ids checked, or a pretrained one), refused when it
+    has more tokens than the model."""
+    from .data import Tokenizer
+    ours = Tokenizer.load(tok_path)
+    if ours.vocab_size > args.vocab_size:
+        raise ConfigError(f"{tok_path} has {ours.vocab_size} tokens but the model only "
+                          f"{args.vocab_size}; the folder's files do not belong together")
+    return ours
+
+
+def _hf_tokenizer(tok_path: Path, ours: "Tokenizer", args: "ModelArgs"):
     """Our tokenizer.json as a transformers fast tokenizer. Like ours it adds no special tokens
     when encoding (no post-processor) and never matches "[EOT]" written in text as the special
     token (split_special_tokens, our `encode_special_tokens`)."""
     from transformers import PreTrainedTokenizerFast
 
-    from .data import Tokenizer
     from .data.tokenizer import BOT, EOT, PAD, UNK
-    ours = Tokenizer.load(tok_path)  # checks the special ids
-    if ours.vocab_size > args.vocab_size:
-        raise ConfigError(f"{tok_path} has {ours.vocab_size} tokens but the model only "
-                          f"{args.vocab_size}; the folder's files do not belong together")
     extra = {"unk_token": UNK} if ours.hf.token_to_id(UNK) is not None else {}
     return PreTrainedTokenizerFast(
         tokenizer_file=str(tok_path), bos_token=BOT, eos_token=EOT, pad_token=PAD,

@@ -1,4 +1,5 @@
-"""The trained model's files: `model/` = model.safetensors + config.json + tokenizer.json.
+"""The trained model's files: `model/` = model.safetensors + config.json + tokenizer.json (with a
+pretrained tokenizer, `data.tokenizer=DIR`: all its files, byte for byte).
 
 Whatever the parallelism, the weights are gathered into one full state dict (the torch.distributed
 `get_model_state_dict` API knows DDP and FSDP alike), written by global rank 0 into a temporary
@@ -17,7 +18,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import nn
 
-from .data.tokenizer import TOKENIZER_FILE
+from .data.tokenizer import TOKENIZER_FILE, tokenizer_files
 from .dist import DistEnv
 from .errors import ParatrainError
 from .fileio import atomic_dir
@@ -54,7 +55,8 @@ def save_model(out_dir: Path, state_dict: dict[str, torch.Tensor], model_args: d
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "paratrain"})
         (tmp / MODEL_CONFIG).write_text(json.dumps(model_args, indent=2) + "\n")
         if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+            for name, f in tokenizer_files(tokenizer_path).items():
+                shutil.copyfile(f, tmp / name)
     return out_dir
 
 

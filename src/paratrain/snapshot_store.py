@@ -6,6 +6,7 @@ One snapshot:
       __0_0.distcp, __1_0.distcp ...  each rank's shard of model + optimizer, written by that rank
       .metadata                       DCP's index, written by rank 0 once every rank has written
       tokenizer.json                  so that `paratrain checkpoint export` gives a usable model
+                                      (a pretrained tokenizer: all its files)
       committed.json                  the commit marker, written last (see below)
 
 Why a marker rather than a rename: object stores cannot rename a folder atomically, and one rule
@@ -35,7 +36,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from .config import TrainConfig
-from .data.tokenizer import TOKENIZER_FILE
+from .data.tokenizer import TOKENIZER_FILE, TOKENIZER_FILES, tokenizer_files
 from .errors import CheckpointError
 from .fileio import atomic_write_path, atomic_write_text
 from .redact import redact_url
@@ -160,7 +161,8 @@ class Store:
         """Write the commit marker, last; before it, nothing in `url` counts."""
         p = self.path_of(url)
         if tokenizer_path is not None and Path(tokenizer_path).is_file():
-            self.fs.put_file(str(tokenizer_path), f"{p}/{TOKENIZER_FILE}")
+            for name, f in tokenizer_files(tokenizer_path).items():
+                self.fs.put_file(str(f), f"{p}/{name}")
         marker = {"format": FORMAT_VERSION, **marker, "files": self.file_sizes(url)}
         data = json.dumps(marker, indent=1)
         if self.local:
@@ -343,6 +345,7 @@ def export_snapshot(path: str, out: str | Path) -> Path:
                                 "step": str(marker["step"])})
         return out
     with tempfile.TemporaryDirectory() as tmp:
-        tok = Path(tmp) / TOKENIZER_FILE
-        found = store.get_file(url, TOKENIZER_FILE, tok)
-        return save_model(out, weights, args.to_dict(), tok if found else None)
+        found = {name for name in TOKENIZER_FILES
+                 if store.get_file(url, name, Path(tmp) / name)}
+        return save_model(out, weights, args.to_dict(),
+                          Path(tmp) / TOKENIZER_FILE if TOKENIZER_FILE in found else None)

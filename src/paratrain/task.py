@@ -121,7 +121,7 @@ class LMTask(TokenLoss):
             prepared = prepare_data(cfg.data, cfg.cache_dir, log=log)
         else:
             prepared = wait_for_data(cfg.data, cfg.cache_dir, timeout_s=3600.0)
-        vocab = cfg.model.vocab_size or prepared.tokenizer().vocab_size
+        vocab = cfg.model.vocab_size or prepared.vocab_size  # the tokenizer's
         args = HFArgs(cfg.model.path, vocab) if cfg.model.arch == "hf" else \
             resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
         train = build_dataset(prepared, "train", cfg.data)

@@ -1,9 +1,11 @@
 """The tokenized corpus on disk, keyed by a fingerprint of everything that changes its bytes.
 
 Layout of `<cache_root>/data/<fingerprint>/`:
-    tokenizer.json                 the trained tokenizer
+    tokenizer.json                 the trained tokenizer, or with data.tokenizer=DIR:
+    tokenizer/                     the pretrained tokenizer's files, copied byte for byte
     train.bin, val.bin             flat token ids (uint16, or uint32 for vocabularies > 65536);
-                                   every document is followed by one [EOT]
+                                   every document is followed by one [EOT] (a pretrained
+                                   tokenizer's EOS)
     train_offsets.npy, val_...     int64 start of each document in the .bin, plus the end (n+1)
     meta.json                      written last: its presence means the rest is complete
 
@@ -31,7 +33,8 @@ from ..config import DataConfig
 from ..errors import DataError
 from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus
-from .tokenizer import Tokenizer
+from .tokenizer import (TOKENIZER_FILE, Tokenizer, copy_tokenizer_files,
+                        tokenizer_files_fingerprint)
 
 FORMAT_VERSION = 1
 SPLIT_SEED = 20240611  # fixed: the train/val split must not move when the training seed does
@@ -39,6 +42,7 @@ TOKENIZER_TRAIN_BYTES = 64 * 2**20  # BPE trains on at most this much text (~15 
 ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: bounds memory, keeps cores busy
 SPLITS = ("train", "val")
 PROGRESS_EVERY_S = 5.0  # a stage that runs longer says how far it is, this often
+PRETRAINED_DIR = "tokenizer"  # where a pretrained tokenizer's files go in a cache
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,16 @@ def _check_split(split: str) -> str:
     return split
 
 
+def pretrained_dir(cfg: DataConfig) -> Optional[Path]:
+    """data.tokenizer when it names a pretrained tokenizer's folder; None: bpe or char."""
+    return None if cfg.tokenizer in ("bpe", "char") else Path(cfg.tokenizer).expanduser()
+
+
 def data_fingerprint(cfg: DataConfig, corpus: Corpus) -> str:
-    parts = {"corpus": corpus.fingerprint(), "tokenizer": cfg.tokenizer,
+    pretrained = pretrained_dir(cfg)
+    tokenizer = cfg.tokenizer if pretrained is None else \
+        "pretrained:" + tokenizer_files_fingerprint(pretrained)  # its bytes, not where it lies
+    parts = {"corpus": corpus.fingerprint(), "tokenizer": tokenizer,
              "vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else None,
              "val_fraction": cfg.val_fraction, "split_seed": SPLIT_SEED,
              "version": FORMAT_VERSION}
@@ -96,7 +108,7 @@ def load_prepared(path: str | os.PathLike) -> PreparedData:
         raise DataError(f"{d} is not a prepared data cache (no meta.json); delete it and run "
                         "again to rebuild")
     meta = json.loads(meta_path.read_text())
-    return PreparedData(dir=d, tokenizer_path=d / "tokenizer.json",
+    return PreparedData(dir=d, tokenizer_path=d / meta.get("tokenizer_file", TOKENIZER_FILE),
                         train_tokens=d / "train.bin", train_offsets=d / "train_offsets.npy",
                         val_tokens=d / "val.bin", val_offsets=d / "val_offsets.npy", meta=meta)
 
@@ -163,18 +175,21 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
     log(f"data: {len(sizes)} documents, {text_bytes / 1e6:.1f} MB of text from "
         f"{corpus.num_files} files ({corpus.kind}); {int(is_val.sum())} held out for validation")
 
-    # Pass 2: the tokenizer sees training documents only, so validation stays unseen text.
-    t0 = time.perf_counter()
-    keep = ~is_val if cfg.tokenizer == "char" else \
-        _spread_subsample(np.asarray(sizes), ~is_val, TOKENIZER_TRAIN_BYTES)
-    trained_on = int(np.asarray(sizes)[keep].sum())
-    with _Ticker(log, lambda s: f"tokenizer: training {cfg.tokenizer} on "
-                                f"{trained_on / 1e6:.1f} MB of text, {s:.0f} s so far"):
-        tokenizer = Tokenizer.train_char(_select(corpus, keep)) if cfg.tokenizer == "char" \
-            else Tokenizer.train_bpe(_select(corpus, keep), cfg.vocab_size)
-    tokenizer.save(out / "tokenizer.json")
-    log(f"tokenizer: trained {tokenizer.kind} with {tokenizer.vocab_size} tokens on "
-        f"{trained_on / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s")
+    # Pass 2: a pretrained tokenizer is used as it is; one of ours is trained on training
+    # documents only, so validation stays unseen text.
+    pretrained = pretrained_dir(cfg)
+    if pretrained is not None:
+        tokenizer_file = f"{PRETRAINED_DIR}/{TOKENIZER_FILE}"
+        tokenizer, note = Tokenizer.from_pretrained(pretrained)
+        (out / PRETRAINED_DIR).mkdir()
+        copy_tokenizer_files(pretrained, out / PRETRAINED_DIR)
+        log(f"tokenizer: pretrained, {tokenizer.vocab_size} tokens, from {pretrained} (documents "
+            f"end with id {tokenizer.eot_id}, padded rows start with {tokenizer.bot_id})"
+            + (f"; {note}" if note and cfg.format == "padded" else ""))
+    else:
+        tokenizer_file = TOKENIZER_FILE
+        tokenizer = _train_tokenizer(cfg, corpus, sizes, is_val, log)
+        tokenizer.save(out / tokenizer_file)
 
     # Pass 3: tokenize everything, appending each split's ids to its .bin.
     t0 = time.perf_counter()
@@ -190,13 +205,30 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
     meta = {
         "version": FORMAT_VERSION, "fingerprint": fingerprint, "source": cfg.source,
         "kind": corpus.kind, "num_files": corpus.num_files, "text_bytes": text_bytes,
-        "tokenizer": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "dtype": dtype.name,
+        "tokenizer": tokenizer.kind, "tokenizer_file": tokenizer_file,
+        "tokenizer_source": str(pretrained) if pretrained is not None else None,
+        "vocab_size": tokenizer.vocab_size, "dtype": dtype.name,
         "pad_id": tokenizer.pad_id, "bot_id": tokenizer.bot_id, "eot_id": tokenizer.eot_id,
         "val_fraction": cfg.val_fraction,
         "num_docs": {s: stats[s]["docs"] for s in SPLITS},
         "num_tokens": {s: stats[s]["tokens"] for s in SPLITS},
     }
     atomic_write_json(out / "meta.json", meta, sort_keys=True)  # last: marks the directory complete
+
+
+def _train_tokenizer(cfg: DataConfig, corpus: Corpus, sizes: List[int], is_val: np.ndarray,
+                     log: Callable[[str], None]) -> Tokenizer:
+    t0 = time.perf_counter()
+    keep = ~is_val if cfg.tokenizer == "char" else \
+        _spread_subsample(np.asarray(sizes), ~is_val, TOKENIZER_TRAIN_BYTES)
+    trained_on = int(np.asarray(sizes)[keep].sum())
+    with _Ticker(log, lambda s: f"tokenizer: training {cfg.tokenizer} on "
+                                f"{trained_on / 1e6:.1f} MB of text, {s:.0f} s so far"):
+        tokenizer = Tokenizer.train_char(_select(corpus, keep)) if cfg.tokenizer == "char" \
+            else Tokenizer.train_bpe(_select(corpus, keep), cfg.vocab_size)
+    log(f"tokenizer: trained {tokenizer.kind} with {tokenizer.vocab_size} tokens on "
+        f"{trained_on / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s")
+    return tokenizer
 
 
 def _split_mask(n: int, val_fraction: float) -> np.ndarray:

@@ -56,8 +56,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tuple[Any, str]:
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ConfigError(f"tokenizer at {path} has neither a pad token nor an EOS token; "
-                              "set eos_token in its tokenizer_config.json (fine-tuning ends "
-                              "every example with EOS)")
+                              "set eos_token in its tokenizer_config.json (every example or "
+                              "document ends with EOS)")
         tokenizer.pad_token = tokenizer.eos_token
         note = (f"tokenizer at {path} has no pad token; padding with its EOS token "
                 f"{tokenizer.eos_token!r} (id {tokenizer.eos_token_id}); padded positions are "
@@ -71,10 +71,11 @@ def tokenizer_name(tokenizer: Any) -> str:
 
 
 def eos_id(tokenizer: Any) -> int:
-    """The EOS id that ends every fine-tuning example; ConfigError if the tokenizer has none."""
+    """The EOS id that ends every fine-tuning example and every corpus document; ConfigError if
+    the tokenizer has none."""
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"tokenizer at {tokenizer_name(tokenizer)} has no EOS token, so the "
-                          "model could not learn where an answer ends; set eos_token in its "
+                          "model could not learn where a text ends; set eos_token in its "
                           "tokenizer_config.json")
     return int(tokenizer.eos_token_id)
 

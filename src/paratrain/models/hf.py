@@ -11,7 +11,7 @@ from typing import Optional
 
 from torch import nn
 
-from ..data.tokenizer import TOKENIZER_FILE
+from ..data.tokenizer import tokenizer_files
 from ..errors import ConfigError
 from ..fileio import atomic_dir
 
@@ -53,7 +53,8 @@ def save_hf(model: nn.Module, out_dir: Path, state: dict, tokenizer_path: Option
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+            for name, f in tokenizer_files(tokenizer_path).items():
+                shutil.copyfile(f, tmp / name)
 
 
 def is_hf_folder(model_dir: Path) -> bool:
