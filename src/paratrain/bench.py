@@ -317,7 +317,7 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
     if scaling:
         overrides.append("trainer.global_batch_size=null")  # the same per-device batch
     cfg = TrainConfig.from_yaml(config_path, overrides)
-    if cfg.distributed.nnodes > 1:
+    if cfg.distributed.max_nodes > 1:
         raise ConfigError("paratrain bench runs on one node; set distributed.nnodes=1")
     devices = launch.parse_devices(cfg.trainer.devices)
     _, global_batch = batch_plan(cfg.trainer.batch_size, len(devices),

@@ -141,13 +141,49 @@ class CheckpointConfig:
 class DistributedConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: pick a free port (single node only)
-    nnodes: int = 1
+    nnodes: Any = 1  # N nodes, or MIN:MAX for elastic membership (torch's c10d rendezvous)
     node_rank: int = 0
     timeout_s: float = 300.0
     max_restarts: int = 0
     backend: str = "auto"
     rdzv: str = "static"  # static: node_rank fixes the order; c10d: torch's dynamic rendezvous
     requeue: bool = False  # under Slurm: after a stop signal's snapshot, scontrol requeue the job
+
+    @property
+    def min_nodes(self) -> int:
+        return parse_nnodes(self.nnodes)[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return parse_nnodes(self.nnodes)[1]
+
+    @property
+    def elastic(self) -> bool:
+        """nnodes=MIN:MAX with MIN < MAX: nodes may leave and join (the job re-forms)."""
+        low, high = parse_nnodes(self.nnodes)
+        return low < high
+
+
+def _quote_node_range(text: str, key: str) -> str:
+    """YAML 1.1 reads an unquoted 2:3 as the base-60 number 123: quote a node range first."""
+    return re.sub(key + r"(\d+:\d+)[ \t]*$", r"\g<1>'\g<2>'", text, flags=re.MULTILINE)
+
+
+def parse_nnodes(value: Any) -> tuple[int, int]:
+    """`distributed.nnodes` as (MIN, MAX): N is (N, N); "MIN:MAX" is an elastic range."""
+    text = str(value).strip()
+    m = re.fullmatch(r"(-?\d+)(?::(-?\d+))?", text)
+    if m is None or isinstance(value, bool):
+        raise ConfigError(f"distributed.nnodes={value!r} must be a number of nodes N or a range "
+                          "MIN:MAX (for example 2:4)")
+    low = int(m.group(1))
+    high = int(m.group(2)) if m.group(2) is not None else low
+    if low < 1:
+        raise ConfigError(f"distributed.nnodes={text}: the number of nodes must be at least 1")
+    if low > high:
+        raise ConfigError(f"distributed.nnodes={text}: MIN ({low}) is larger than MAX ({high}); "
+                          f"write {high}:{low}")
+    return low, high
 
 
 @dataclass
@@ -183,7 +219,7 @@ class TrainConfig:
                 raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file "
                                   "or no file for the defaults")
             try:
-                loaded = OmegaConf.load(p)
+                loaded = OmegaConf.create(_quote_node_range(p.read_text(), r"^(\s*nnodes:\s*)"))
             except Exception as e:  # yaml.YAMLError and friends
                 raise ConfigError(f"config file {str(path)!r} is not valid YAML: "
                                   f"{first_line(e)}") from None
@@ -197,7 +233,8 @@ class TrainConfig:
                                   "(for example trainer.max_steps=100)")
         if overrides:
             try:
-                layers.append(OmegaConf.from_dotlist(list(overrides)))
+                layers.append(OmegaConf.from_dotlist(
+                    [_quote_node_range(o, r"^(distributed\.nnodes=)") for o in overrides]))
             except OmegaConfBaseException as e:
                 raise ConfigError(f"cannot parse overrides: {first_line(e)}") from None
         return cls.from_layers(*layers)
@@ -259,7 +296,6 @@ def validate(cfg: TrainConfig) -> None:
         "data.seq_length": cfg.data.seq_length, "data.vocab_size": cfg.data.vocab_size,
         "trainer.batch_size": cfg.trainer.batch_size, "trainer.epochs": cfg.trainer.epochs,
         "trainer.log_every": cfg.trainer.log_every, "trainer.eval_every": cfg.trainer.eval_every,
-        "distributed.nnodes": cfg.distributed.nnodes,
         "distributed.timeout_s": cfg.distributed.timeout_s,
     }
     optional_positive = {
@@ -305,12 +341,17 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep_last >= 1")
     d = cfg.distributed
+    parse_nnodes(d.nnodes)
     if not 0 <= d.master_port <= 65535:
         raise ConfigError(f"distributed.master_port={d.master_port} must be in 0..65535")
-    if not 0 <= d.node_rank < d.nnodes:
+    if not 0 <= d.node_rank < d.max_nodes:
         raise ConfigError(f"distributed.node_rank={d.node_rank} must be in 0..nnodes-1 "
                           f"(nnodes={d.nnodes})")
-    if d.nnodes > 1 and d.master_port == 0:
+    if d.elastic and cfg.trainer.global_batch_size is None:
+        raise ConfigError(f"distributed.nnodes={d.nnodes} lets the world size change, so the "
+                          "global batch must be fixed: set trainer.global_batch_size (a multiple "
+                          "of trainer.batch_size x processes for every node count in the range)")
+    if d.max_nodes > 1 and d.master_port == 0:
         raise ConfigError("distributed.master_port must be set (the same on every node) when "
                           "distributed.nnodes > 1")
     if d.max_restarts < 0:

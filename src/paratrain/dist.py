@@ -77,8 +77,14 @@ class DistEnv:
         store, _, _ = next(dist.rendezvous(self.init_method, self.rank, self.world_size,
                                            timeout=timeout))
         dist.init_process_group(backend=self.backend, rank=self.rank, world_size=self.world_size,
-                                store=dist.PrefixStore(f"{self.job_id}/attempt_{self.attempt}", store),
+                                store=dist.PrefixStore(self.store_prefix, store),
                                 timeout=timeout, **kwargs)
+
+    @property
+    def store_prefix(self) -> str:
+        """This group's keys in the agent's store. The world size is part of it: an elastic
+        agent that restarts its workers because a node joined keeps its restart count."""
+        return f"{self.job_id}/attempt_{self.attempt}/world_{self.world_size}"
 
     def teardown(self, barrier: bool = True) -> None:
         """Leave the group cleanly. Callers drop their references to wrapped models first:

@@ -55,6 +55,7 @@ class NodeGroup:
     timeout_s: float
     rdzv: str = "static"
     ranks_on_host: int = 1  # this job's processes on this machine (all nodes that share it)
+    min_nodes: Optional[int] = None  # elastic (nnodes=MIN:MAX): the job runs on MIN..nnodes
 
     def first_then_others(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run `fn` on node 0, then on the other nodes: a cache in a shared directory is built
@@ -117,7 +118,8 @@ class NodeGroup:
         else:
             rdzv_conf = {"rank": self.node_rank, "timeout": int(self.timeout_s)}
         config = LaunchConfig(
-            min_nodes=self.nnodes, max_nodes=self.nnodes, nproc_per_node=self.nproc,
+            min_nodes=self.min_nodes or self.nnodes, max_nodes=self.nnodes,
+            nproc_per_node=self.nproc,
             run_id=self.run_id, rdzv_endpoint=f"{self.master_addr}:{self.master_port}",
             rdzv_backend=self.rdzv, rdzv_configs=rdzv_conf, max_restarts=max_restarts,
             monitor_interval=0.1, start_method="spawn", shutdown_timeout=5)
@@ -128,9 +130,14 @@ class NodeGroup:
         main = threading.current_thread() is threading.main_thread()
         handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS} if main else {}
         stops = ForwardToWorkers(grace_s).install()
-        env_key, agent_signals = AGENT_SIGNALS_ENV
-        before = os.environ.get(env_key)
-        os.environ[env_key] = agent_signals  # read by the agent when it starts the workers
+        # torch's agent reads these from the environment when it starts the workers: the
+        # signals it handles itself (not the stop signals: ours), and, elastic, a store of the
+        # workers' own each round (an agent that joins a later round waits in vain for the
+        # shared store's address, which the first round's rank 0 does not publish again).
+        agent_env = dict([AGENT_SIGNALS_ENV] + (
+            [("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")] if self.min_nodes else []))
+        before = {k: os.environ.get(k) for k in agent_env}
+        os.environ.update(agent_env)
         try:
             return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as e:
@@ -143,10 +150,11 @@ class NodeGroup:
                 p.kill()
             raise errors.Interrupted(int(e.sigval)) from None
         finally:
-            if before is None:
-                os.environ.pop(env_key, None)
-            else:
-                os.environ[env_key] = before
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             stops.restore()
             reaper.stop()
             _restore(handlers)
@@ -169,9 +177,12 @@ def _restore(handlers: Mapping[int, Any]) -> None:
 
 def join_nodes(master_addr: str, master_port: int, nnodes: int, node_rank: int, nproc: int,
                timeout_s: float, config: Optional[Mapping[str, Any]] = None,
-               rdzv: str = "static") -> NodeGroup:
+               rdzv: str = "static", min_nodes: Optional[int] = None) -> NodeGroup:
     """Meet the other nodes (or just open the store, for one node); raise one clear line when
-    they cannot form one job. Bounded by `timeout_s`."""
+    they cannot form one job. Bounded by `timeout_s`. Elastic (`min_nodes` < `nnodes`): nodes
+    come and go, so a node only checks in with node 0 (the store's host, which must stay) and
+    compares settings with it; torch's c10d rendezvous then forms each round."""
+    elastic = min_nodes is not None and min_nodes < nnodes
     if nnodes == 1 and not master_port:
         master_port = free_port(master_addr if _is_local(master_addr) else "127.0.0.1")
     _resolve(master_addr)
@@ -195,29 +206,30 @@ def join_nodes(master_addr: str, master_port: int, nnodes: int, node_rank: int, 
     me = {"host": socket.gethostname(), "nnodes": nnodes, "nproc": nproc,
           "config": {k: v for k, v in flat.items() if not k.startswith(_PER_NODE_KEYS)},
           "run_id": f"paratrain-{uuid.uuid4().hex[:8]}" if is_host else None}
-    if store.add(f"{_NODES}/claim/{node_rank}", 1) > 1:
+    if not elastic and store.add(f"{_NODES}/claim/{node_rank}", 1) > 1:
         msg = (f"distributed.node_rank={node_rank} is used by two nodes; give every node its own "
                f"node_rank in 0..{nnodes - 1}")
         store.set(f"{_NODES}/abort", msg)
         raise ConfigError(msg)
     store.set(f"{_NODES}/info/{node_rank}", json.dumps(me))
     infos: dict[int, dict] = {}
+    needed = sorted({node_rank, 0}) if elastic else list(range(nnodes))
     deadline = time.monotonic() + timeout_s
     try:
         while True:
             if store.check([f"{_NODES}/abort"]):
                 raise ConfigError(store.get(f"{_NODES}/abort").decode())
-            for r in range(nnodes):
+            for r in needed:
                 if r not in infos and store.check([f"{_NODES}/info/{r}"]):
                     infos[r] = json.loads(store.get(f"{_NODES}/info/{r}"))
                     if r != node_rank and (is_host or r == 0):
                         _compare(node_rank, me, r, infos[r])
-            if len(infos) == nnodes:
+            if len(infos) == len(needed):
                 break
             if time.monotonic() > deadline:
-                missing = [r for r in range(nnodes) if r not in infos]
+                missing = [r for r in needed if r not in infos]
                 raise TrainingError(
-                    f"rendezvous timed out after {timeout_s:.0f} s: {len(infos)} of {nnodes} "
+                    f"rendezvous timed out after {timeout_s:.0f} s: {len(infos)} of {len(needed)} "
                     f"nodes joined (missing node_rank {', '.join(map(str, missing))}); start the "
                     "same command on every node, or raise distributed.timeout_s")
             time.sleep(0.1)
@@ -230,7 +242,8 @@ def join_nodes(master_addr: str, master_port: int, nnodes: int, node_rank: int, 
                             "every node with the same settings") from None
     ranks_on_host = sum(i["nproc"] for i in infos.values() if i["host"] == me["host"])
     return NodeGroup(store, master_addr, master_port, nnodes, node_rank, nproc,
-                     infos[0]["run_id"], timeout_s, rdzv, ranks_on_host)
+                     infos[0]["run_id"], timeout_s, "c10d" if elastic else rdzv, ranks_on_host,
+                     min_nodes if elastic else None)
 
 
 def _compare(mine: int, me: dict, other: int, them: dict) -> None:

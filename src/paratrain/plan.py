@@ -183,7 +183,7 @@ def plan_for_config(cfg, world: Optional[int] = None, device: Optional[torch.dev
     from .models import build_model, resolve_model_config
     from .parallel import shard_group
     devices = parse_devices(cfg.trainer.devices)
-    world = world or len(devices) * cfg.distributed.nnodes
+    world = world or len(devices) * cfg.distributed.max_nodes
     vocab = cfg.model.vocab_size or cfg.data.vocab_size
     args = resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
     local = local_workers or len(devices)

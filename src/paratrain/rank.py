@@ -65,6 +65,16 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
         snapshots = Snapshotter(plan, env, model, optimizer, scheduler, scaler,
                                 model_info=task.model_info, tokenizer_path=task.tokenizer_path)
         resumed = snapshots.resume()
+        # (step, world size) from the first step on; a snapshot carries it to the next start
+        history = list(resumed.loop.get("world_history", [[0, resumed.world_size]])) \
+            if resumed is not None else []
+        if not history or history[-1][1] != env.world_size:
+            history.append([resumed.step if resumed else 0, env.world_size])
+            if resumed is not None and cfg.distributed.elastic:  # a membership change
+                change = "a node left" if env.world_size < resumed.world_size else "a node joined"
+                log(env, f"world size {resumed.world_size} -> {env.world_size} at step "
+                         f"{resumed.step} ({change}); resharded")
+        snapshots.info["world_history"] = history
         if env.is_master:
             prepare_run_dir(cfg, None if resumed is None else resumed.step)
         _log_start(plan, env, task, n_params, resumed)
@@ -109,7 +119,8 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
 
         state = None if keep_best else full_state_dict(model, env, plan.parallelism)
         summary = run_summary(plan, env, task, loop, last, val_loss, n_params, resumed,
-                              snapshots.report(), memory, time.perf_counter() - t_start)
+                              snapshots.report(), memory, time.perf_counter() - t_start,
+                              history)
         summary.update(val_metrics)
         if env.is_master:
             if keep_best:
@@ -207,7 +218,7 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
 
 def run_summary(plan: RunPlan, env: DistEnv, task: Task, loop: TrainLoop, last: dict,
                 val_loss: Optional[float], n_params: int, resumed: Optional[Resumed],
-                snapshots: dict, memory: list, wall_s: float) -> dict:
+                snapshots: dict, memory: list, wall_s: float, world_history: list) -> dict:
     """summary.json: what the run did, how fast, with what, and the memory of every rank."""
     cfg = plan.cfg
     return {
@@ -218,7 +229,8 @@ def run_summary(plan: RunPlan, env: DistEnv, task: Task, loop: TrainLoop, last: 
         "tokens_per_s": loop.tokens / max(loop.train_s, 1e-9), "tokens": loop.tokens,
         "data_wait_s": loop.data_wait_s, "step_times_s": loop.step_times,
         "step_cpu_s": loop.step_cpu_times,
-        "world_size": env.world_size, "nnodes": env.nnodes, "strategy": plan.parallelism.name,
+        "world_size": env.world_size, "nnodes": env.nnodes, "world_history": world_history,
+        "strategy": plan.parallelism.name,
         "strategy_reason": plan.parallelism_reason,
         "activation_checkpointing": plan.activation_checkpointing,
         "cpu_offload": plan.parallelism.offloads_to_host,

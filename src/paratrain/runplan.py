@@ -68,7 +68,8 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     per_epoch = steps_per_epoch(len(task.train_ds), global_batch, task)
     ranks_here = ranks_on_host or local_world_size
     return RunPlan(
-        cfg=cfg, devices=tuple(str(d) for d in devices), nnodes=cfg.distributed.nnodes,
+        cfg=cfg, devices=tuple(str(d) for d in devices),
+        nnodes=max(1, world_size // local_world_size),
         world_size=world_size, local_world_size=local_world_size, parallelism=parallelism,
         parallelism_reason=why,
         activation_checkpointing=tr.activation_checkpointing or bool(
@@ -117,3 +118,19 @@ def batch_plan(batch_size: int, world_size: int, global_batch_size: Optional[int
                           f"trainer.batch_size x workers = {batch_size} x {world_size} = "
                           f"{per_step}; pick a multiple of {per_step}")
     return global_batch_size // per_step, global_batch_size
+
+
+def check_elastic_batch(batch_size: int, global_batch: int, nproc: int, min_nodes: int,
+                        max_nodes: int) -> None:
+    """An elastic job keeps its global batch whatever the node count (accumulation makes up the
+    rest): refuse, before anything starts, one that some node count in the range cannot split."""
+    import math
+    worlds = [n * nproc for n in range(min_nodes, max_nodes + 1)]
+    bad = [w for w in worlds if global_batch % (batch_size * w)]
+    if bad:
+        fits = math.lcm(*(batch_size * w for w in worlds))
+        raise ConfigError(
+            f"trainer.global_batch_size={global_batch} cannot be split evenly over "
+            f"{', '.join(map(str, bad))} worker(s) (trainer.batch_size={batch_size} each), world "
+            f"sizes that distributed.nnodes={min_nodes}:{max_nodes} allows; use a multiple of "
+            f"{fits}")

@@ -25,10 +25,13 @@ from .parallel import processes_per_node
 from .preemption import requeue_slurm_job
 from .rank import prepare_task, run_rank
 from .rundir import check_run_dir
-from .runplan import RunPlan, auto_choice, make_plan
+from .runplan import RunPlan, auto_choice, check_elastic_batch, make_plan
 from .finetune_task import FinetuneRecords
 from .task import check_picklable
 from .user_task import UserTask
+
+
+ELASTIC_RESTARTS = 3  # failures (a node lost) an elastic job survives when max_restarts is 0
 
 
 @dataclass
@@ -143,49 +146,70 @@ class Trainer:
             if note:
                 log(DistEnv(), note)
         nproc = processes_per_node(cfg.trainer.strategy, len(devices))
-        if nproc == 1 and d.nnodes == 1:  # one process: train right here
+        if d.elastic:  # every world size the range allows must give the same global batch
+            check_elastic_batch(cfg.trainer.batch_size, cfg.trainer.global_batch_size, nproc,
+                                d.min_nodes, d.max_nodes)
+        if nproc == 1 and d.max_nodes == 1:  # one process: train right here
             env = DistEnv.single(devices[0])
             task = prepare_task(cfg, env, self.given)
             plan = make_plan(cfg, task, devices=devices, world_size=1, local_world_size=1)
             return _result(run_rank(cfg, env, plan, task))
-        with join_nodes(d.master_addr, d.master_port, d.nnodes, d.node_rank, nproc,
-                        d.timeout_s, config=cfg.to_dict(), rdzv=d.rdzv) as nodes:
+        with join_nodes(d.master_addr, d.master_port, d.max_nodes, d.node_rank, nproc,
+                        d.timeout_s, config=cfg.to_dict(), rdzv=d.rdzv,
+                        min_nodes=d.min_nodes) as nodes:
             node_env = DistEnv(node_rank=d.node_rank)  # logs on node 0 only
             # node 0 first: a cache in a shared directory is built once, then reused
             task = nodes.first_then_others("data", lambda: prepare_task(cfg, node_env,
                                                                        self.given))
-            world = nproc * d.nnodes
-            choice = nodes.decided_by_node0("plan", lambda: auto_choice(
-                cfg, task, world_size=world, device=devices[0], local_world_size=nproc))
-            plan = make_plan(cfg, task, devices=devices, world_size=world,
-                             local_world_size=nproc, choice=choice,
-                             ranks_on_host=nodes.ranks_on_host)
-            results = nodes.launch(worker_entry, (plan, self.given),
-                                   max_restarts=d.max_restarts, grace_s=d.timeout_s)
+            if d.elastic:  # the world size is each round's: its ranks plan it (rank 0 decides)
+                restarts = d.max_restarts or ELASTIC_RESTARTS
+                log(node_env, f"elastic: {d.min_nodes} to {d.max_nodes} nodes; a node that "
+                              f"leaves or joins restarts the job from its last snapshot (up to "
+                              f"{restarts} failures)")
+                results = nodes.launch(worker_entry, (cfg, None, self.given),
+                                       max_restarts=restarts, grace_s=d.timeout_s)
+            else:
+                world = nproc * d.max_nodes
+                choice = nodes.decided_by_node0("plan", lambda: auto_choice(
+                    cfg, task, world_size=world, device=devices[0], local_world_size=nproc))
+                plan = make_plan(cfg, task, devices=devices, world_size=world,
+                                 local_world_size=nproc, choice=choice,
+                                 ranks_on_host=nodes.ranks_on_host)
+                results = nodes.launch(worker_entry, (cfg, plan, self.given),
+                                       max_restarts=d.max_restarts, grace_s=d.timeout_s)
         stopped = [r["stopped_by"] for r in results.values() if r.get("stopped_by")]
         if stopped:  # a stop signal reached a worker, not us: the job stopped all the same
             raise Interrupted(stopped[0])
         return _result(results[min(results)])
 
 
-def worker_entry(plan: RunPlan, given: Any = None) -> dict:
-    """One worker started by the elastic agent (pickled by name, so it lives at module level)."""
+def worker_entry(cfg: TrainConfig, plan: Optional[RunPlan], given: Any = None) -> dict:
+    """One worker started by the elastic agent (pickled by name, so it lives at module level).
+    `plan` None: an elastic round, whose ranks plan for the world size they found."""
     from torch.distributed.elastic.multiprocessing.errors import record
     try:
-        return record(_worker_main)(plan, given)
+        out = record(_worker_main)(cfg, plan, given)
     except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the rank has cleaned
         import os  # up (finally blocks ran): leave now, not after joining a snapshot thread
         import sys  # or a slow interpreter shutdown; the launcher says where it stopped
         sys.stderr.flush()
         os._exit(130)
+    if out.get("stopped_by"):
+        # The agent reads a returned value at once while it waits for the run, and never when
+        # it is itself stopping the workers (a node joining, its own shutdown): then leave
+        # after a moment instead of waiting to be killed. The value is in the pipe already.
+        import os
+        import threading
+        threading.Timer(2.0, os._exit, (0,)).start()
+    return out
 
 
-def _worker_main(plan: RunPlan, given: Any) -> dict:
-    cfg = plan.cfg
+def _worker_main(cfg: TrainConfig, plan: Optional[RunPlan], given: Any) -> dict:
     launcher = launch.detect_launcher()
     assert launcher is not None, "worker_entry runs under the elastic agent"
     env = launch.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
-                                 cfg.distributed.timeout_s, devices=list(plan.devices))
+                                 cfg.distributed.timeout_s,
+                                 devices=list(plan.devices) if plan is not None else None)
     return run_rank(cfg, dataclasses.replace(env, attempt=restart_attempt()), plan, given)
 
 
