@@ -251,3 +251,44 @@ def test_master_port_in_use(tmp_path, corpus_dir, cache_dir):
         r = run_cli(node_args(corpus_dir, cache_dir, 0, port), cwd=tmp_path, timeout=60)
     assert r.returncode == 2
     assert f"distributed.master_port={port} is already in use" in one_error_line(r.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_hsdp_across_two_addresses_stops_on_sigterm_and_resumes(tmp_path, corpus_dir,
+                                                                 cache_dir, two_hosts):
+    """HSDP over a real link (2 namespaces x 2 workers): SIGTERM to node 1's launcher stops
+    both nodes after the same step with one committed snapshot (exit 143 on each); the same two
+    commands then finish from it. Snapshots go to one directory both nodes see."""
+    (ns0, if0, addr0), (ns1, if1, _) = two_hosts
+    shared = tmp_path / "shared-checkpoints"
+
+    def nodes():
+        port = free_port()
+        return [start(node_args(corpus_dir, cache_dir, r, port, **{
+            "distributed.master_addr": addr0, "trainer.devices": "cpu:2",
+            "trainer.strategy": "hsdp", "trainer.max_steps": 120, "checkpoint.dir": shared}),
+            tmp_path / f"host{r}", env={"GLOO_SOCKET_IFNAME": ifname},
+            prefix=["ip", "netns", "exec", ns])
+            for r, (ns, ifname) in enumerate(((ns0, if0), (ns1, if1)))]
+
+    procs = nodes()
+    metrics = tmp_path / "host0" / "runs" / "mn" / "metrics.jsonl"
+    deadline = time.monotonic() + 200
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
+        time.sleep(0.1)
+    os.kill(procs[1].pid, signal.SIGTERM)
+    results = finish(procs, timeout=120)
+    assert [rc for rc, _, _ in results] == [143, 143], [e[-2000:] for _, _, e in results]
+    steps = sorted(int(p.name[5:]) for p in shared.glob("step-*")
+                   if (p / "committed.json").is_file())
+    assert len(steps) == 1 and steps[0] >= 10, steps
+    assert f"SIGTERM received: stopping after step {steps[0]}" in results[0][2]
+
+    results = finish(nodes(), timeout=300)
+    assert [rc for rc, _, _ in results] == [0, 0], [e[-2000:] for _, _, e in results]
+    s = read_summary(tmp_path / "host0" / "runs" / "mn")
+    assert (s["strategy"], s["world_size"], s["steps"]) == ("hsdp", 4, 120)
+    assert s["resumed_from"]["step"] == steps[0]
