@@ -137,7 +137,8 @@ class TrainLoop:
                     if self.snapshots is not None:
                         if saved_at != self.step:
                             self.snapshots.save(self.step, {"loss_sum": loss_sum, "count": count,
-                                                            "best": self.best.state_dict()})
+                                                            "best": self.best.state_dict()},
+                                                blocking=True)
                         self.snapshots.wait()  # committed before this rank leaves
                     break
                 t_data = time.perf_counter()

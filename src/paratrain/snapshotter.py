@@ -86,10 +86,11 @@ class Snapshotter:
             or self.at_epoch_end and step % plan.steps_per_epoch == 0)
 
     # ---- save ----------------------------------------------------------------------------
-    def save(self, step: int, rank: dict) -> None:
+    def save(self, step: int, rank: dict, blocking: bool = False) -> None:
         """Snapshot after optimizer step `step`. `rank` is this rank's own (small, JSON) state:
         its loss sums since the last log line. Returns once the state is staged (async) or
-        written (sync); the time it took is the loop's stall."""
+        written and committed (sync, or `blocking`: a stop signal's last snapshot); the time it
+        took is the loop's stall."""
         import torch.distributed.checkpoint as dcp
         t0 = time.perf_counter()
         self.wait()  # one save at a time: the previous one is committed before the next starts
@@ -107,7 +108,7 @@ class Snapshotter:
         kw = dict(checkpoint_id=url, process_group=self._pg, no_dist=not self.env.distributed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's "assuming a single process"
-            if self.async_save:
+            if self.async_save and not blocking:
                 self._pending = self._then_commit(dcp.async_save(state, **kw), url, marker)
             else:
                 dcp.save(state, **kw)

@@ -187,3 +187,13 @@ def test_requeue_outside_slurm_is_refused(tmp_path, corpus_dir, cache_dir):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith(
         "paratrain: error: distributed.requeue=true requeues a Slurm job"), r.stderr
+
+
+def test_sigterm_to_a_one_process_run(tmp_path, tmp_path_factory, corpus_dir, cache_dir):
+    """One device: the run is in the CLI's own process, which notes the signal itself."""
+    one = {"trainer.devices": "cpu"}
+    ref = _ref(tmp_path_factory, corpus_dir, cache_dir, **one)
+    r = _stop_and_resume(tmp_path, ref, args_for(corpus_dir, cache_dir, "one", **LONG, **one),
+                         tmp_path / "runs" / "one", lambda p: os.kill(p.pid, signal.SIGTERM),
+                         128 + signal.SIGTERM, random.Random(5).randint(5, 25))
+    assert "UserWarning" not in r.stderr, r.stderr[-2000:]
