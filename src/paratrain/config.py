@@ -6,9 +6,10 @@ so that a typo costs a second, not a launch.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
@@ -24,7 +25,10 @@ STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 FORMATS = ("packed", "padded", "pairs", "chat", "classify")
 FINETUNE_FORMATS = ("pairs", "chat", "classify")  # records encoded with a pretrained tokenizer
-TOKENIZERS = ("bpe", "char")
+TOKENIZERS = ("auto", "bpe", "char")
+# Files any one of which makes a folder loadable by transformers' AutoTokenizer.from_pretrained.
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                     "spiece.model", "vocab.txt")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -71,7 +75,8 @@ class DataConfig:
     label_field: str = "label"  # classify: the label (strings: ids in sorted order; or ints)
     seq_length: int = 256
     vocab_size: int = 4096  # BPE vocabulary to train
-    tokenizer: str = "bpe"  # bpe | char (trained on the corpus) | DIR: a pretrained tokenizer
+    tokenizer: str = "auto"  # auto: model.path's own for model.arch=hf, else bpe | bpe | char
+    # (trained on the corpus) | DIR: a pretrained tokenizer; see resolve_tokenizer
     format: str = "packed"  # packed | padded | pairs (input->output) | chat (messages) |
     # classify (text -> label, a sequence-classification model)
     pack: bool = False  # pairs / chat: several examples per row (refused: see _check_data_format)
@@ -272,11 +277,42 @@ class TrainConfig:
         return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
 
     @property
+    def corpus_data(self) -> DataConfig:
+        """`data` with data.tokenizer resolved (`auto` decided): what a corpus's token cache is
+        built from and keyed by."""
+        return replace(self.data, tokenizer=resolve_tokenizer(self.data, self.model))
+
+    @property
     def cache_dir(self) -> Path:
         if self.data.cache_dir:
             return Path(self.data.cache_dir).expanduser()
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return Path(base) / "paratrain"
+
+
+def resolve_tokenizer(data: DataConfig, model: Optional[ModelConfig] = None) -> str:
+    """What data.tokenizer means, decided here and nowhere else: `bpe`, `char`, or a pretrained
+    tokenizer's folder. `auto` (the default) is the model's own tokenizer, model.path's, for
+    model.arch=hf (a pretrained model's embeddings are indexed by its own ids: nothing is
+    retrained), and a BPE trained on the corpus for a model from scratch (or no model given)."""
+    if data.tokenizer != "auto":
+        return data.tokenizer
+    if model is not None and model.arch == "hf" and model.path:
+        return model.path
+    return "bpe"
+
+
+def has_tokenizer(folder: str | os.PathLike) -> bool:
+    """The folder holds a tokenizer saved with save_pretrained (one of TOKENIZER_MARKERS)."""
+    p = Path(folder).expanduser()
+    return p.is_dir() and any((p / name).is_file() for name in TOKENIZER_MARKERS)
+
+
+def has_weights(folder: str | os.PathLike) -> bool:
+    """A Hugging Face model folder with safetensors weights (else it is built from config)."""
+    p = Path(folder).expanduser()
+    return p.is_dir() and any((p / n).exists() for n in
+                              ("model.safetensors", "model.safetensors.index.json"))
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -324,7 +360,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError(f"model.dropout={cfg.model.dropout} must be in [0, 1)")
-    if cfg.data.tokenizer == "bpe" and cfg.data.vocab_size < 260:
+    if resolve_tokenizer(cfg.data, cfg.model) == "bpe" and cfg.data.vocab_size < 260:
         raise ConfigError(f"data.vocab_size={cfg.data.vocab_size} is too small for a byte-level "
                           "BPE tokenizer (256 bytes + special tokens); use at least 260")
     if cfg.data.num_workers < 0:
@@ -362,6 +398,8 @@ def validate(cfg: TrainConfig) -> None:
                 and not Path(p).expanduser().is_file():
             raise ConfigError(f"model.arch=hf needs model.path, a local directory with a "
                               f"config.json (got {p!r}); nothing is downloaded")
+        if cfg.data.format not in FINETUNE_FORMATS:
+            _check_hf_corpus_tokenizer(cfg)
         return
     # Model shape checks need the preset applied; models.presets does them (ConfigError too).
     resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
@@ -396,10 +434,12 @@ def _check_data_format(cfg: TrainConfig) -> None:
                               "a non-empty list of module names")
         if d.max_length < 2:
             raise ConfigError(f"data.max_length={d.max_length} must be at least 2")
-        if d.tokenizer not in TOKENIZERS and not Path(d.tokenizer).expanduser().is_dir():
-            raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a directory; pass a "
-                              "tokenizer saved with save_pretrained, or leave it unset to use "
-                              "model.path's")
+        if d.tokenizer != "auto" and not Path(d.tokenizer).expanduser().is_dir():
+            raise ConfigError(f"data.tokenizer={d.tokenizer!r}" + (
+                " trains a new tokenizer" if d.tokenizer in TOKENIZERS else
+                " is not a directory") + f"; data.format={d.format} encodes with the pretrained "
+                "model's own tokenizer: leave data.tokenizer unset (auto: model.path's) or pass "
+                "a tokenizer folder saved with save_pretrained")
         return
     if cfg.model.lora.r:
         raise ConfigError("model.lora applies to a pretrained Hugging Face model being "
@@ -409,6 +449,32 @@ def _check_data_format(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not one of: "
                           f"{', '.join(TOKENIZERS)}, or a directory (a pretrained tokenizer "
                           "saved with save_pretrained)")
+
+
+def _check_hf_corpus_tokenizer(cfg: TrainConfig) -> None:
+    """A pretrained model on a corpus reads the ids of its own tokenizer (auto), or of a folder
+    given; a tokenizer trained here (bpe) must at least fit in its embeddings."""
+    d, path = cfg.data, cfg.model.path
+    if d.tokenizer == "auto" and not has_tokenizer(path):
+        raise ConfigError(
+            f"model.path={path} has no tokenizer ({' / '.join(TOKENIZER_MARKERS[:2])}) and "
+            "data.tokenizer=auto uses the model's own; pass data.tokenizer=DIR, the folder of "
+            "the tokenizer it was trained with" + (
+                "" if has_weights(path) else " (or data.tokenizer=bpe to train one on the "
+                "corpus: the folder holds no weights, so nothing pretrained is lost)"))
+    if d.tokenizer == "bpe":
+        config = Path(path).expanduser()
+        config = config / "config.json" if config.is_dir() else config
+        try:
+            model_vocab = json.loads(config.read_text()).get("vocab_size")
+        except (OSError, ValueError, AttributeError):
+            model_vocab = None  # models.hf says what is wrong with it
+        if isinstance(model_vocab, int) and d.vocab_size > model_vocab:
+            raise ConfigError(
+                f"data.tokenizer=bpe trains a vocabulary of data.vocab_size={d.vocab_size}, more "
+                f"than model.path's embeddings hold (vocab_size={model_vocab} in its "
+                "config.json); lower data.vocab_size, or leave data.tokenizer unset to use the "
+                "model's own tokenizer")
 
 
 def _choice(key: str, value: str, allowed: Sequence[str]) -> None:

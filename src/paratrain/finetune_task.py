@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
-from .config import TrainConfig
+from .config import TrainConfig, resolve_tokenizer
 from .data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from .errors import ConfigError
 from .fileio import atomic_dir
@@ -149,10 +149,9 @@ class FinetuneTask(TokenLoss):
 
 
 def pretrained_tokenizer_dir(cfg: TrainConfig) -> Path:
-    """data.tokenizer when it names a directory, else the model's own folder."""
-    d = cfg.data
-    return Path(d.tokenizer if Path(d.tokenizer).expanduser().is_dir()
-                else cfg.model.path).expanduser()
+    """data.tokenizer when it names a directory, else (auto) the model's own folder: the choice
+    `config.resolve_tokenizer` makes for every task."""
+    return Path(resolve_tokenizer(cfg.data, cfg.model)).expanduser()
 
 
 def read_records(cfg: TrainConfig, records: Optional[FinetuneRecords]

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
     # -- the same data and model as paratrain's run --
-    prepared = prepare_data(cfg.data, cfg.cache_dir)  # already cached by `paratrain bench`
+    prepared = prepare_data(cfg.corpus_data, cfg.cache_dir)  # already cached by `paratrain bench`
     train_ds = build_dataset(prepared, "train", cfg.data)
     sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True,
                                  seed=tr.seed, drop_last=True)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import TrainConfig
+from .config import TrainConfig, has_weights
 from .data.dataset import IGNORE_INDEX  # the pads' targets, skipped by the loss
 from .dist import DistEnv
 from .errors import ConfigError
@@ -117,10 +117,13 @@ class LMTask(TokenLoss):
         from .data import build_dataset, prepare_data, wait_for_data
         from .models import resolve_model_config
         from .models.hf import HFArgs
+        data = cfg.corpus_data  # data.tokenizer=auto decided for the model (config.py)
         if env.is_local_master:
-            prepared = prepare_data(cfg.data, cfg.cache_dir, log=log)
+            prepared = prepare_data(data, cfg.cache_dir, log=log)
         else:
-            prepared = wait_for_data(cfg.data, cfg.cache_dir, timeout_s=3600.0)
+            prepared = wait_for_data(data, cfg.cache_dir, timeout_s=3600.0)
+        if cfg.model.arch == "hf":
+            log(hf_tokenizer_line(cfg, data.tokenizer, prepared.vocab_size))
         vocab = cfg.model.vocab_size or prepared.vocab_size  # the tokenizer's
         args = HFArgs(cfg.model.path, vocab) if cfg.model.arch == "hf" else \
             resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
@@ -192,6 +195,19 @@ class LMTask(TokenLoss):
             save_hf(model, out_dir, state, self.tokenizer_path)
         else:
             save_model(out_dir, state, self.args.to_dict(), self.tokenizer_path)
+
+
+def hf_tokenizer_line(cfg: TrainConfig, tokenizer: str, vocab_size: int) -> str:
+    """One log line: which tokenizer a Hugging Face model reads the corpus with."""
+    if cfg.data.tokenizer == "auto":
+        return (f"tokenizer: the model's own, from model.path={cfg.model.path} ({vocab_size} "
+                "tokens; nothing is trained)")
+    if tokenizer not in ("bpe", "char"):
+        return (f"tokenizer: data.tokenizer={tokenizer} ({vocab_size} tokens), instead of "
+                "model.path's own")
+    return (f"tokenizer: {tokenizer} trained on the corpus ({vocab_size} tokens)" + (
+        f"; model.path={cfg.model.path}'s weights were trained on other ids, so its embeddings "
+        "are relearned" if has_weights(cfg.model.path) else ""))
 
 
 def token_loss(model: nn.Module, batch: dict, device: torch.device,

@@ -92,7 +92,7 @@ def test_hf_llama_from_local_config(tmp_path, corpus_dir, cache_dir):
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=64).save_pretrained(cfg_dir)
     over = tiny_overrides(corpus_dir, cache_dir, **{
-        "run.name": "hf", "model.arch": "hf", "model.path": str(cfg_dir),
+        "run.name": "hf", "model.arch": "hf", "model.path": str(cfg_dir), "data.tokenizer": "bpe",
         "trainer.devices": "cpu:2", "trainer.strategy": "fsdp", "trainer.max_steps": 10})
     r = run_cli(["train"] + over, cwd=tmp_path, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -153,5 +153,62 @@ def test_config_accepts_a_tokenizer_folder_for_a_corpus(tmp_path, llama_like):
     for fmt in ("packed", "padded"):
         cfg = TrainConfig.from_yaml(None, [f"data.tokenizer={llama_like}", f"data.format={fmt}"])
         assert cfg.data.tokenizer == str(llama_like)
-    with pytest.raises(ConfigError, match="is not one of: bpe, char, or a directory"):
+    with pytest.raises(ConfigError, match="is not one of: auto, bpe, char, or a directory"):
         TrainConfig.from_yaml(None, [f"data.tokenizer={tmp_path / 'nope'}"])
+
+
+def _hf_model_dir(folder, tokenizer=None, vocab_size=512, weights=False):
+    """A tiny Llama folder as save_pretrained writes it: config.json, optionally weights and a
+    tokenizer's files."""
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=64)
+    if weights:
+        transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    if tokenizer is not None:
+        for f in tokenizer.iterdir():
+            shutil.copyfile(f, folder / f.name)
+    return folder
+
+
+def test_auto_is_the_hf_models_own_tokenizer_on_a_corpus(tmp_path, llama_like):
+    model = _hf_model_dir(tmp_path / "model", llama_like)
+    hf = ["model.arch=hf", f"model.path={model}"]
+    corpus = resolve_corpus(str(make_corpus(tmp_path / "corpus")))
+    for fmt in ("packed", "padded"):
+        cfg = TrainConfig.from_yaml(None, hf + [f"data.format={fmt}"])
+        assert cfg.data.tokenizer == "auto" and cfg.corpus_data.tokenizer == str(model)
+        # the same cache as naming a copy of the tokenizer: keyed by its files' bytes
+        assert data_fingerprint(cfg.corpus_data, corpus) == data_fingerprint(
+            DataConfig(tokenizer=str(llama_like)), corpus)
+    scratch = TrainConfig.from_yaml(None, ["data.vocab_size=300"])  # a model from scratch: bpe
+    assert scratch.corpus_data.tokenizer == "bpe"
+    assert data_fingerprint(scratch.corpus_data, corpus) == data_fingerprint(
+        DataConfig(tokenizer="bpe", vocab_size=300), corpus) == data_fingerprint(
+        DataConfig(vocab_size=300), corpus)  # a DataConfig alone reads auto as bpe
+    other = TrainConfig.from_yaml(None, hf + [f"data.tokenizer={tmp_path / 'model'}"])
+    assert other.corpus_data.tokenizer == str(model)
+
+
+def test_hf_model_without_a_tokenizer_and_a_bpe_that_does_not_fit_are_one_line(tmp_path):
+    bare = _hf_model_dir(tmp_path / "bare", vocab_size=384)
+    with pytest.raises(ConfigError, match=r"has no tokenizer .*pass data.tokenizer=DIR.*"
+                                          r"or data.tokenizer=bpe") as e:
+        TrainConfig.from_yaml(None, ["model.arch=hf", f"model.path={bare}"])
+    assert "\n" not in str(e.value)
+    weighted = _hf_model_dir(tmp_path / "weighted", vocab_size=384, weights=True)
+    with pytest.raises(ConfigError, match="has no tokenizer") as e:
+        TrainConfig.from_yaml(None, ["model.arch=hf", f"model.path={weighted}"])
+    assert "data.tokenizer=bpe" not in str(e.value)  # its weights would be lost on new ids
+    ok = TrainConfig.from_yaml(None, ["model.arch=hf", f"model.path={bare}", "data.tokenizer=bpe",
+                                      "data.vocab_size=384"])
+    assert ok.corpus_data.tokenizer == "bpe"
+    with pytest.raises(ConfigError, match=r"data.vocab_size=4096, more than model.path's "
+                                          r"embeddings hold \(vocab_size=384"):
+        TrainConfig.from_yaml(None, ["model.arch=hf", f"model.path={bare}", "data.tokenizer=bpe"])
+    for kind in ("bpe", "char"):  # fine-tuning formats read the pretrained model's own ids
+        with pytest.raises(ConfigError, match=f"data.tokenizer='{kind}' trains a new tokenizer"):
+            TrainConfig.from_yaml(None, ["model.arch=hf", f"model.path={bare}",
+                                         "data.format=pairs", f"data.tokenizer={kind}"])

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, List, Optional
 
 import numpy as np
 
-from ..config import DataConfig
+from ..config import DataConfig, resolve_tokenizer
 from ..errors import DataError
 from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus
@@ -86,16 +86,20 @@ def _check_split(split: str) -> str:
 
 
 def pretrained_dir(cfg: DataConfig) -> Optional[Path]:
-    """data.tokenizer when it names a pretrained tokenizer's folder; None: bpe or char."""
-    return None if cfg.tokenizer in ("bpe", "char") else Path(cfg.tokenizer).expanduser()
+    """data.tokenizer when it names a pretrained tokenizer's folder; None: bpe or char. Pass
+    `TrainConfig.corpus_data` (auto decided for the model); a DataConfig alone reads auto as
+    bpe."""
+    kind = resolve_tokenizer(cfg)
+    return None if kind in ("bpe", "char") else Path(kind).expanduser()
 
 
 def data_fingerprint(cfg: DataConfig, corpus: Corpus) -> str:
     pretrained = pretrained_dir(cfg)
-    tokenizer = cfg.tokenizer if pretrained is None else \
+    kind = resolve_tokenizer(cfg)
+    tokenizer = kind if pretrained is None else \
         "pretrained:" + tokenizer_files_fingerprint(pretrained)  # its bytes, not where it lies
     parts = {"corpus": corpus.fingerprint(), "tokenizer": tokenizer,
-             "vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else None,
+             "vocab_size": cfg.vocab_size if kind == "bpe" else None,
              "val_fraction": cfg.val_fraction, "split_seed": SPLIT_SEED,
              "version": FORMAT_VERSION}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
@@ -219,12 +223,13 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
 def _train_tokenizer(cfg: DataConfig, corpus: Corpus, sizes: List[int], is_val: np.ndarray,
                      log: Callable[[str], None]) -> Tokenizer:
     t0 = time.perf_counter()
-    keep = ~is_val if cfg.tokenizer == "char" else \
+    kind = resolve_tokenizer(cfg)  # bpe or char
+    keep = ~is_val if kind == "char" else \
         _spread_subsample(np.asarray(sizes), ~is_val, TOKENIZER_TRAIN_BYTES)
     trained_on = int(np.asarray(sizes)[keep].sum())
-    with _Ticker(log, lambda s: f"tokenizer: training {cfg.tokenizer} on "
+    with _Ticker(log, lambda s: f"tokenizer: training {kind} on "
                                 f"{trained_on / 1e6:.1f} MB of text, {s:.0f} s so far"):
-        tokenizer = Tokenizer.train_char(_select(corpus, keep)) if cfg.tokenizer == "char" \
+        tokenizer = Tokenizer.train_char(_select(corpus, keep)) if kind == "char" \
             else Tokenizer.train_bpe(_select(corpus, keep), cfg.vocab_size)
     log(f"tokenizer: trained {tokenizer.kind} with {tokenizer.vocab_size} tokens on "
         f"{trained_on / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s")

@@ -40,9 +40,8 @@ def build_hf(args: HFArgs) -> nn.Module:
         raise ConfigError(f"model.path={args.path!r} has vocab_size={config.vocab_size}, smaller "
                           f"than the tokenizer's {args.vocab_size}; raise it in config.json or "
                           "lower data.vocab_size")
-    weights = p.is_dir() and any((p / n).exists() for n in
-                                 ("model.safetensors", "model.safetensors.index.json"))
-    if weights:  # safetensors only: nothing from the path is unpickled
+    from ..config import has_weights
+    if has_weights(p):  # safetensors only: nothing from the path is unpickled
         return transformers.AutoModelForCausalLM.from_pretrained(p, local_files_only=True,
                                                                  use_safetensors=True)
     return transformers.AutoModelForCausalLM.from_config(config)
