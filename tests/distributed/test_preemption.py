@@ -29,15 +29,16 @@ def _ref(tmp_path_factory, corpus_dir, cache_dir, **extra):
     return reference_run(tmp_path_factory, corpus_dir, cache_dir, **{**LONG, **extra})
 
 
-@pytest.mark.parametrize("strategy,seed", [("ddp", 11), ("fsdp", 12)])
+@pytest.mark.parametrize("strategy,seed", [("auto", 11), ("fsdp", 12)])  # auto: ddp here
 def test_kill_campaign_the_same_command_always_completes(tmp_path, tmp_path_factory, corpus_dir,
                                                          cache_dir, strategy, seed):
     """SIGKILL of the whole job: before the first snapshot (the same command then starts over
     from step 0, saying so), at a random moment after the job started (possibly mid-snapshot),
     and after a committed snapshot; then the same command runs to the end."""
     rng = random.Random(seed)
-    extra = {**LONG, "trainer.strategy": strategy}
-    ref = _ref(tmp_path_factory, corpus_dir, cache_dir, **{"trainer.strategy": strategy})
+    chosen = {"trainer.strategy": strategy} if strategy != "auto" else {}
+    extra = {**LONG, **chosen}
+    ref = _ref(tmp_path_factory, corpus_dir, cache_dir, **chosen)
     args = args_for(corpus_dir, cache_dir, "campaign", **extra)
     run_dir, ck = tmp_path / "runs" / "campaign", tmp_path / "runs" / "campaign" / "checkpoints"
 
@@ -118,9 +119,8 @@ def _stop_and_resume(tmp_path, ref, args, run_dir, send, expect_rc, min_step):
 
 def test_sigterm_to_the_launcher_commits_a_snapshot_and_resumes(tmp_path, tmp_path_factory,
                                                                 corpus_dir, cache_dir):
-    extra = {**LONG, "checkpoint.every_steps": 0}  # no periodic snapshot: only the stop's
-    ref = _ref(tmp_path_factory, corpus_dir, cache_dir, **{"checkpoint.every_steps": 0})
-    args = args_for(corpus_dir, cache_dir, "term", **extra)
+    ref = _ref(tmp_path_factory, corpus_dir, cache_dir)
+    args = args_for(corpus_dir, cache_dir, "term", **LONG)
     step = random.Random(3).randint(5, 25)
     r = _stop_and_resume(tmp_path, ref, args, tmp_path / "runs" / "term",
                          lambda p: os.kill(p.pid, signal.SIGTERM), 128 + signal.SIGTERM, step)
