@@ -1,12 +1,11 @@
 """The configuration tree: typed dataclasses checked by OmegaConf, YAML plus dotted overrides.
 
-Every check that can fail without starting a process lives here (or in `launch.parse_devices`),
-so that a typo costs a second, not a launch.
+Every check that can fail without starting a process runs when a config is built (the checks:
+config_checks.py; devices: `launch.parse_devices`), so that a typo costs a second, not a launch.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -16,20 +15,11 @@ from typing import Any, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .config_checks import parse_nnodes, resolve_tokenizer, validate
 from .errors import ConfigError
 from .formatting import first_line
-from .models.presets import ARCHS, resolve_model_config
 from .redact import redact_secrets
 
-STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
-FORMATS = ("packed", "padded", "pairs", "chat", "classify")
-FINETUNE_FORMATS = ("pairs", "chat", "classify")  # records encoded with a pretrained tokenizer
-TOKENIZERS = ("auto", "bpe", "char")
-# Files any one of which makes a folder loadable by transformers' AutoTokenizer.from_pretrained.
-TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                     "spiece.model", "vocab.txt")
-BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass
@@ -174,23 +164,6 @@ def _quote_node_range(text: str, key: str) -> str:
     return re.sub(key + r"(\d+:\d+)[ \t]*$", r"\g<1>'\g<2>'", text, flags=re.MULTILINE)
 
 
-def parse_nnodes(value: Any) -> tuple[int, int]:
-    """`distributed.nnodes` as (MIN, MAX): N is (N, N); "MIN:MAX" is an elastic range."""
-    text = str(value).strip()
-    m = re.fullmatch(r"(-?\d+)(?::(-?\d+))?", text)
-    if m is None or isinstance(value, bool):
-        raise ConfigError(f"distributed.nnodes={value!r} must be a number of nodes N or a range "
-                          "MIN:MAX (for example 2:4)")
-    low = int(m.group(1))
-    high = int(m.group(2)) if m.group(2) is not None else low
-    if low < 1:
-        raise ConfigError(f"distributed.nnodes={text}: the number of nodes must be at least 1")
-    if low > high:
-        raise ConfigError(f"distributed.nnodes={text}: MIN ({low}) is larger than MAX ({high}); "
-                          f"write {high}:{low}")
-    return low, high
-
-
 @dataclass
 class LogConfig:
     """Run records besides metrics.jsonl; see loggers.py and report.py."""
@@ -288,198 +261,6 @@ class TrainConfig:
             return Path(self.data.cache_dir).expanduser()
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return Path(base) / "paratrain"
-
-
-def resolve_tokenizer(data: DataConfig, model: Optional[ModelConfig] = None) -> str:
-    """What data.tokenizer means, decided here and nowhere else: `bpe`, `char`, or a pretrained
-    tokenizer's folder. `auto` (the default) is the model's own tokenizer, model.path's, for
-    model.arch=hf (a pretrained model's embeddings are indexed by its own ids: nothing is
-    retrained), and a BPE trained on the corpus for a model from scratch (or no model given)."""
-    if data.tokenizer != "auto":
-        return data.tokenizer
-    if model is not None and model.arch == "hf" and model.path:
-        return model.path
-    return "bpe"
-
-
-def has_tokenizer(folder: str | os.PathLike) -> bool:
-    """The folder holds a tokenizer saved with save_pretrained (one of TOKENIZER_MARKERS)."""
-    p = Path(folder).expanduser()
-    return p.is_dir() and any((p / name).is_file() for name in TOKENIZER_MARKERS)
-
-
-def has_weights(folder: str | os.PathLike) -> bool:
-    """A Hugging Face model folder with safetensors weights (else it is built from config)."""
-    p = Path(folder).expanduser()
-    return p.is_dir() and any((p / n).exists() for n in
-                              ("model.safetensors", "model.safetensors.index.json"))
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Checks that need no files and no processes. Raises ConfigError naming the key."""
-    _choice("model.arch", cfg.model.arch, ARCHS + ("hf",))
-    _choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
-    _choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
-    _choice("data.format", cfg.data.format, FORMATS)
-    _choice("data.padded_overflow", cfg.data.padded_overflow, ("truncate", "split"))
-    _check_data_format(cfg)
-    _choice("distributed.backend", cfg.distributed.backend, BACKENDS)
-    _choice("distributed.rdzv", cfg.distributed.rdzv, ("static", "c10d"))
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name):
-        raise ConfigError(f"run.name={cfg.run.name!r} may hold only letters, digits, '.', '_' "
-                          "and '-'")
-    positive = {
-        "data.seq_length": cfg.data.seq_length, "data.vocab_size": cfg.data.vocab_size,
-        "trainer.batch_size": cfg.trainer.batch_size, "trainer.epochs": cfg.trainer.epochs,
-        "trainer.log_every": cfg.trainer.log_every, "trainer.eval_every": cfg.trainer.eval_every,
-        "distributed.timeout_s": cfg.distributed.timeout_s,
-    }
-    optional_positive = {
-        "trainer.max_steps": cfg.trainer.max_steps,
-        "trainer.global_batch_size": cfg.trainer.global_batch_size,
-        "trainer.eval_samples": cfg.trainer.eval_samples,
-        "trainer.early_stopping_patience": cfg.trainer.early_stopping_patience,
-        "trainer.shard_group_size": cfg.trainer.shard_group_size,
-        "data.max_bytes": cfg.data.max_bytes,
-        "model.hidden_size": cfg.model.hidden_size, "model.num_layers": cfg.model.num_layers,
-        "model.num_heads": cfg.model.num_heads, "model.num_kv_heads": cfg.model.num_kv_heads,
-        "model.intermediate_size": cfg.model.intermediate_size,
-        "model.vocab_size": cfg.model.vocab_size, "model.max_seq_length": cfg.model.max_seq_length,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key}={value} must be positive")
-    for key, value in optional_positive.items():
-        if value is not None and value <= 0:
-            raise ConfigError(f"{key}={value} must be positive (or null for the default)")
-    if cfg.trainer.shard_group_size is not None and cfg.trainer.strategy not in ("hsdp", "auto"):
-        raise ConfigError(f"trainer.shard_group_size sizes hsdp's shard groups; it does not "
-                          f"apply to trainer.strategy={cfg.trainer.strategy} (use hsdp, or "
-                          "leave it null)")
-    if not 0.0 <= cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
-    if not 0.0 <= cfg.model.dropout < 1.0:
-        raise ConfigError(f"model.dropout={cfg.model.dropout} must be in [0, 1)")
-    if resolve_tokenizer(cfg.data, cfg.model) == "bpe" and cfg.data.vocab_size < 260:
-        raise ConfigError(f"data.vocab_size={cfg.data.vocab_size} is too small for a byte-level "
-                          "BPE tokenizer (256 bytes + special tokens); use at least 260")
-    if cfg.data.num_workers < 0:
-        raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
-    o = cfg.optim
-    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        raise ConfigError(f"optim.lr={o.lr} must be positive and optim.min_lr={o.min_lr} "
-                          "between 0 and optim.lr")
-    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
-    if o.warmup_steps < 0 or o.weight_decay < 0 or o.grad_clip < 0:
-        raise ConfigError("optim.warmup_steps, optim.weight_decay and optim.grad_clip "
-                          "must be >= 0")
-    if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 1:
-        raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep_last >= 1")
-    d = cfg.distributed
-    parse_nnodes(d.nnodes)
-    if not 0 <= d.master_port <= 65535:
-        raise ConfigError(f"distributed.master_port={d.master_port} must be in 0..65535")
-    if not 0 <= d.node_rank < d.max_nodes:
-        raise ConfigError(f"distributed.node_rank={d.node_rank} must be in 0..nnodes-1 "
-                          f"(nnodes={d.nnodes})")
-    if d.elastic and cfg.trainer.global_batch_size is None:
-        raise ConfigError(f"distributed.nnodes={d.nnodes} lets the world size change, so the "
-                          "global batch must be fixed: set trainer.global_batch_size (a multiple "
-                          "of trainer.batch_size x processes for every node count in the range)")
-    if d.max_nodes > 1 and d.master_port == 0:
-        raise ConfigError("distributed.master_port must be set (the same on every node) when "
-                          "distributed.nnodes > 1")
-    if d.max_restarts < 0:
-        raise ConfigError(f"distributed.max_restarts={d.max_restarts} must be >= 0")
-    if cfg.model.arch == "hf":
-        p = cfg.model.path
-        if not p or not (Path(p).expanduser() / "config.json").is_file() \
-                and not Path(p).expanduser().is_file():
-            raise ConfigError(f"model.arch=hf needs model.path, a local directory with a "
-                              f"config.json (got {p!r}); nothing is downloaded")
-        if cfg.data.format not in FINETUNE_FORMATS:
-            _check_hf_corpus_tokenizer(cfg)
-        return
-    # Model shape checks need the preset applied; models.presets does them (ConfigError too).
-    resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
-                         seq_length=cfg.data.seq_length)
-
-
-def _check_data_format(cfg: TrainConfig) -> None:
-    """Fine-tuning formats need a pretrained model and its tokenizer; corpora a tokenizer kind."""
-    d = cfg.data
-    if d.pack:
-        raise ConfigError(
-            "data.pack=true is refused: packing several examples into one row lets attention "
-            "cross from one example into the next unless the model takes a block-diagonal mask "
-            "or per-example positions, which paratrain cannot guarantee for a Hugging Face "
-            "model; leave data.pack=false (examples are padded to the longest of each "
-            "micro-batch, which wastes little) or use data.format=packed for plain text"
-            if d.format in FINETUNE_FORMATS else
-            f"data.pack applies to data.format=pairs or chat; data.format={d.format} "
-            + ("already packs documents into windows" if d.format == "packed" else
-               "keeps one document per row"))
-    if d.format in FINETUNE_FORMATS:
-        if cfg.model.arch != "hf":
-            raise ConfigError(f"data.format={d.format} fine-tunes a pretrained Hugging Face "
-                              f"model: set model.arch=hf model.path=DIR (got model.arch="
-                              f"{cfg.model.arch}); export one of ours with `paratrain "
-                              "checkpoint export RUN_DIR OUT --format hf`")
-        if d.format == "classify" and not (d.text_field and d.label_field):
-            raise ConfigError("data.format=classify needs data.text_field and data.label_field, "
-                              "the names of the text and label fields of the records")
-        if cfg.model.lora.r < 0 or not cfg.model.lora.target_modules:
-            raise ConfigError("model.lora.r must be >= 0 (0: off) and model.lora.target_modules "
-                              "a non-empty list of module names")
-        if d.max_length < 2:
-            raise ConfigError(f"data.max_length={d.max_length} must be at least 2")
-        if d.tokenizer != "auto" and not Path(d.tokenizer).expanduser().is_dir():
-            raise ConfigError(f"data.tokenizer={d.tokenizer!r}" + (
-                " trains a new tokenizer" if d.tokenizer in TOKENIZERS else
-                " is not a directory") + f"; data.format={d.format} encodes with the pretrained "
-                "model's own tokenizer: leave data.tokenizer unset (auto: model.path's) or pass "
-                "a tokenizer folder saved with save_pretrained")
-        return
-    if cfg.model.lora.r:
-        raise ConfigError("model.lora applies to a pretrained Hugging Face model being "
-                          "fine-tuned: use model.arch=hf with data.format=pairs, chat or "
-                          "classify")
-    if d.tokenizer not in TOKENIZERS and not Path(d.tokenizer).expanduser().is_dir():
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not one of: "
-                          f"{', '.join(TOKENIZERS)}, or a directory (a pretrained tokenizer "
-                          "saved with save_pretrained)")
-
-
-def _check_hf_corpus_tokenizer(cfg: TrainConfig) -> None:
-    """A pretrained model on a corpus reads the ids of its own tokenizer (auto), or of a folder
-    given; a tokenizer trained here (bpe) must at least fit in its embeddings."""
-    d, path = cfg.data, cfg.model.path
-    if d.tokenizer == "auto" and not has_tokenizer(path):
-        raise ConfigError(
-            f"model.path={path} has no tokenizer ({' / '.join(TOKENIZER_MARKERS[:2])}) and "
-            "data.tokenizer=auto uses the model's own; pass data.tokenizer=DIR, the folder of "
-            "the tokenizer it was trained with" + (
-                "" if has_weights(path) else " (or data.tokenizer=bpe to train one on the "
-                "corpus: the folder holds no weights, so nothing pretrained is lost)"))
-    if d.tokenizer == "bpe":
-        config = Path(path).expanduser()
-        config = config / "config.json" if config.is_dir() else config
-        try:
-            model_vocab = json.loads(config.read_text()).get("vocab_size")
-        except (OSError, ValueError, AttributeError):
-            model_vocab = None  # models.hf says what is wrong with it
-        if isinstance(model_vocab, int) and d.vocab_size > model_vocab:
-            raise ConfigError(
-                f"data.tokenizer=bpe trains a vocabulary of data.vocab_size={d.vocab_size}, more "
-                f"than model.path's embeddings hold (vocab_size={model_vocab} in its "
-                "config.json); lower data.vocab_size, or leave data.tokenizer unset to use the "
-                "model's own tokenizer")
-
-
-def _choice(key: str, value: str, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
 
 
 def _omegaconf_message(e: OmegaConfBaseException) -> str:

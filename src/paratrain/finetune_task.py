@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
-from .config import TrainConfig, resolve_tokenizer
+from .config import TrainConfig
+from .config_checks import resolve_tokenizer
 from .data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from .errors import ConfigError
 from .fileio import atomic_dir
@@ -150,7 +151,7 @@ class FinetuneTask(TokenLoss):
 
 def pretrained_tokenizer_dir(cfg: TrainConfig) -> Path:
     """data.tokenizer when it names a directory, else (auto) the model's own folder: the choice
-    `config.resolve_tokenizer` makes for every task."""
+    `config_checks.resolve_tokenizer` makes for every task."""
     return Path(resolve_tokenizer(cfg.data, cfg.model)).expanduser()
 
 

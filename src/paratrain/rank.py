@@ -12,7 +12,8 @@ from typing import Any, Optional
 import torch
 
 from . import loggers, optim, watchdog
-from .config import FINETUNE_FORMATS, TrainConfig
+from .config import TrainConfig
+from .config_checks import FINETUNE_FORMATS
 from .console import log
 from .dist import DistEnv
 from .classify_task import ClassifyTask

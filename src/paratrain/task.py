@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import TrainConfig, has_weights
+from .config import TrainConfig
+from .config_checks import has_weights
 from .data.dataset import IGNORE_INDEX  # the pads' targets, skipped by the loss
 from .dist import DistEnv
 from .errors import ConfigError

@@ -228,7 +228,7 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
     """Trainer(model="DIR", ...): (the records to send to the workers, or None when they are
     read from data.source; the config overrides that say so). `task`: pairs, chat or classify
     (data.format); None: pairs, or what the records hold."""
-    from .config import FINETUNE_FORMATS
+    from .config_checks import FINETUNE_FORMATS
     from .data.records import read_rows, rows_from_lists
     if task is not None and task not in FINETUNE_FORMATS:
         raise ConfigError(f"task={task!r} is not one of: {', '.join(FINETUNE_FORMATS)} (or "

@@ -29,7 +29,8 @@ from typing import Callable, Iterator, List, Optional
 
 import numpy as np
 
-from ..config import DataConfig, resolve_tokenizer
+from ..config import DataConfig
+from ..config_checks import resolve_tokenizer
 from ..errors import DataError
 from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus

@@ -4,7 +4,7 @@ Both take `idx` (B, T) and an optional `attention_mask` (B, T) and return logits
 both keep their transformer blocks in `model.layers` and name the block type in
 `model.block_class`, which is what FSDP wrapping and activation checkpointing need.
 
-torch is imported lazily: `config.validate()` imports `models.presets`, which runs this file
+torch is imported lazily: `config_checks.validate()` imports `models.presets`, which runs this file
 first, and checking a config should not pay the second it takes to import torch.
 """
 

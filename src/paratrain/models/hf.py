@@ -40,7 +40,7 @@ def build_hf(args: HFArgs) -> nn.Module:
         raise ConfigError(f"model.path={args.path!r} has vocab_size={config.vocab_size}, smaller "
                           f"than the tokenizer's {args.vocab_size}; raise it in config.json or "
                           "lower data.vocab_size")
-    from ..config import has_weights
+    from ..config_checks import has_weights
     if has_weights(p):  # safetensors only: nothing from the path is unpickled
         return transformers.AutoModelForCausalLM.from_pretrained(p, local_files_only=True,
                                                                  use_safetensors=True)
