@@ -49,7 +49,8 @@ class ClassifyTask:
     @classmethod
     def prepare(cls, cfg: TrainConfig, records: Optional[FinetuneRecords] = None
                 ) -> "ClassifyTask":
-        from .data.finetune import FinetuneDataset, encode_classify, split_validation
+        from .data.classify import encode_classify
+        from .data.finetune import FinetuneDataset, split_validation
         from .data.hf_tokenizer import load_tokenizer
         quiet_transformers()
         d = cfg.data

@@ -14,8 +14,9 @@ from tokenizers import (Tokenizer, decoders, models, pre_tokenizers, processors,
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from paratrain.data.dataset import IGNORE_INDEX  # noqa: E402
+from paratrain.data.classify import encode_classify  # noqa: E402
 from paratrain.data.finetune import (FinetuneDataset, PadCollate, encode_chat,  # noqa: E402
-                                     encode_classify, encode_pairs, split_validation)
+                                     encode_pairs, split_validation)
 from paratrain.data.hf_tokenizer import (_tokens_by_piece, assistant_spans,  # noqa: E402
                                          load_tokenizer, tokens_in_spans)
 from paratrain.data.records import read_rows, rows_from_lists  # noqa: E402
