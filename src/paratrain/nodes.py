@@ -30,7 +30,7 @@ from . import errors
 from .errors import ConfigError, TrainingError
 from .formatting import first_line, flatten
 from .launch import failure_to_error, free_port
-from .preemption import AGENT_SIGNALS_ENV, ForwardToWorkers
+from .preemption import AGENT_SIGNALS, ForwardToWorkers
 
 # The signals whose handlers the agent or ForwardToWorkers replace while workers run.
 _AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
@@ -122,7 +122,8 @@ class NodeGroup:
             nproc_per_node=self.nproc,
             run_id=self.run_id, rdzv_endpoint=f"{self.master_addr}:{self.master_port}",
             rdzv_backend=self.rdzv, rdzv_configs=rdzv_conf, max_restarts=max_restarts,
-            monitor_interval=0.1, start_method="spawn", shutdown_timeout=5)
+            monitor_interval=0.1, start_method="spawn", shutdown_timeout=5,
+            signals_to_handle=AGENT_SIGNALS)  # the stop signals are ours: ForwardToWorkers
         reaper = _Reaper(self.store, self.run_id, self.node_rank)
         reaper.start()
         # The agent turns SIGINT/SIGTERM into SignalException (its handlers stay installed,
@@ -130,12 +131,10 @@ class NodeGroup:
         main = threading.current_thread() is threading.main_thread()
         handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS} if main else {}
         stops = ForwardToWorkers(grace_s).install()
-        # torch's agent reads these from the environment when it starts the workers: the
-        # signals it handles itself (not the stop signals: ours), and, elastic, a store of the
-        # workers' own each round (an agent that joins a later round waits in vain for the
-        # shared store's address, which the first round's rank 0 does not publish again).
-        agent_env = dict([AGENT_SIGNALS_ENV] + (
-            [("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")] if self.min_nodes else []))
+        # Elastic: the workers get a store of their own each round (torch's rendezvous reads
+        # this at every round): an agent that joins a later round would wait in vain for the
+        # shared store's address, which the first round's rank 0 does not publish again.
+        agent_env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if self.min_nodes else {}
         before = {k: os.environ.get(k) for k in agent_env}
         os.environ.update(agent_env)
         try:

@@ -63,7 +63,7 @@ class ForwardToWorkers:
     return (so their results come back as for a finished run). A second signal, or workers that
     have not returned `grace_s` after the first, raise the agent's own SignalException: it then
     stops them at once. (The agent itself must not handle these signals: it would stop the
-    workers before they return; see `AGENT_SIGNALS_ENV`.)"""
+    workers before they return; see `AGENT_SIGNALS`.)"""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
@@ -107,9 +107,9 @@ class ForwardToWorkers:
             raise SignalException(f"process {os.getpid()} got {sig.name}", sigval=sig)
 
 
-# torch's agent handles the signals this environment variable names (its default adds SIGTERM
-# and SIGINT, which ForwardToWorkers takes instead).
-AGENT_SIGNALS_ENV = ("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGHUP,SIGQUIT")
+# The signals torch's agent may keep handling itself (its default adds SIGTERM and SIGINT,
+# which ForwardToWorkers takes instead): LaunchConfig.signals_to_handle.
+AGENT_SIGNALS = "SIGHUP,SIGQUIT"
 
 
 def signal_name(signum: int) -> str:

@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 # 3 nodes x 1 worker or 2 x 1: a global batch of 24 splits over both (accumulation 2 or 3)
 ELASTIC = {"distributed.nnodes": "2:3", "trainer.devices": "cpu:1", "trainer.batch_size": 4,
-           "trainer.global_batch_size": 24, "trainer.max_steps": 40,
-           "checkpoint.every_steps": 4, "checkpoint.record_samples": "true",
+           "trainer.global_batch_size": 24, "trainer.max_steps": 100,
+           "checkpoint.every_steps": 5, "checkpoint.record_samples": "true",
            "trainer.eval_samples": 16, "distributed.timeout_s": 30, "run.name": "el"}
 
 
@@ -60,7 +60,7 @@ def reference(tmp_path_factory, corpus_dir, cache_dir):
 def _assert_continues_exactly(run: Path, ref: Path, change_step: int) -> None:
     """From the resume point on: the same sample ids per step, losses within 1e-5."""
     got, want = samples(run), samples(ref)
-    assert sorted(got) == sorted(want) == list(range(1, 41))
+    assert sorted(got) == sorted(want) == list(range(1, ELASTIC["trainer.max_steps"] + 1))
     assert all(got[s] == want[s] for s in got), "a sample was repeated or skipped"
     a = {m["step"]: m["loss"] for m in read_metrics(run)}
     b = {m["step"]: m["loss"] for m in read_metrics(ref)}
@@ -81,7 +81,7 @@ def test_a_lost_node_leaves_and_the_others_finish(tmp_path, reference, corpus_di
     history = read_summary(run)["world_history"]
     assert history[0] == [0, 3] and history[-1][1] == 2 and len(history) == 2, history
     shrink = history[-1][0]
-    assert shrink >= 4 and shrink % 4 == 0
+    assert shrink >= 5 and shrink % 5 == 0
     logs = "".join(err for _, _, err in results)
     assert f"world size 3 -> 2 at step {shrink} (a node left)" in logs
     _assert_continues_exactly(run, reference, shrink)
@@ -91,7 +91,8 @@ def test_a_late_node_is_taken_in(tmp_path, reference, corpus_dir, cache_dir):
     port = free_port()
     procs = _nodes(corpus_dir, cache_dir, tmp_path, (0, 1), port)
     run = tmp_path / "runs" / "el"
-    _wait(lambda: steps_logged(run) >= 6, list(procs.values()), 240, "step 6 on two nodes")
+    # early: the new node's start-up (seconds under load) must end before the job does
+    _wait(lambda: steps_logged(run) >= 2, list(procs.values()), 240, "step 2 on two nodes")
     procs[2] = start(node_args(corpus_dir, cache_dir, 2, port, **ELASTIC), tmp_path)
     results = finish(list(procs.values()), timeout=300)
     for rc, _, err in results:
