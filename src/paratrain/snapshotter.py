@@ -32,6 +32,12 @@ from .redact import redact_secrets, redact_url
 from .runplan import RunPlan
 from .snapshot_store import Store
 
+# A one-process run saves with no process group, on purpose; DCP says so once per save, from its
+# background thread too, where a `catch_warnings` block in ours cannot reach (and is not
+# thread-safe). This one message only, process-wide.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
+
 
 @dataclass(frozen=True)
 class Resumed:
