@@ -198,9 +198,14 @@ def worker_entry(cfg: TrainConfig, plan: Optional[RunPlan], given: Any = None) -
         # The agent reads a returned value at once while it waits for the run, and never when
         # it is itself stopping the workers (a node joining, its own shutdown): then leave
         # after a moment instead of waiting to be killed. The value is in the pipe already.
+        # A second Ctrl-C from here on ends this finished worker quietly.
         import os
+        import signal
         import threading
-        threading.Timer(2.0, os._exit, (0,)).start()
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
+        timer = threading.Timer(2.0, os._exit, (0,))
+        timer.daemon = True  # never what keeps the process alive
+        timer.start()
     return out
 
 
