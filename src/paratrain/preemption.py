@@ -19,7 +19,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from . import errors
 
@@ -27,20 +27,23 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 FANOUT_S = 1.0
 
 
-class StopSignals:
-    """Notes the first stop signal this process gets (`signum`, 0 while none came); a second
-    one, later, raises `errors.Interrupted` at once. Handlers are installed from the main thread
-    only (Python allows no other) and put back by `restore`."""
+_H = TypeVar("_H", bound="_StopHandlers")
+
+
+class _StopHandlers:
+    """The stop signals' handlers of one process, for as long as it needs them: installed from
+    the main thread only (Python allows no other), put back by `restore`. `signum` is the first
+    signal that came (0 while none did), `_first_at` when."""
 
     def __init__(self) -> None:
         self.signum = 0
         self._first_at = 0.0
         self._previous: dict[int, Any] = {}
 
-    def install(self) -> "StopSignals":
+    def install(self: _H) -> _H:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._note)
+                self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
     def restore(self) -> None:
@@ -49,15 +52,27 @@ class StopSignals:
                 signal.signal(sig, handler)
         self._previous = {}
 
-    def _note(self, signum: int, frame: Any) -> None:
+    def _is_repeat(self, now: float) -> bool:
+        """A second request: another signal, FANOUT_S or more after the first."""
+        return bool(self.signum) and now - self._first_at >= FANOUT_S
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        raise NotImplementedError
+
+
+class StopSignals(_StopHandlers):
+    """In a rank: notes the first stop signal (the loop acts on it between steps); a second
+    one, later, raises `errors.Interrupted` at once."""
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
         if not self.signum:
             self.signum, self._first_at = signum, now
-        elif now - self._first_at >= FANOUT_S:  # a second request: leave now
+        elif self._is_repeat(now):
             raise errors.Interrupted(signum)
 
 
-class ForwardToWorkers:
+class ForwardToWorkers(_StopHandlers):
     """In a process that launched workers with the elastic agent: the first stop signal goes on
     to them, and the agent keeps waiting while they finish their step, commit a snapshot and
     return (so their results come back as for a finished run). A second signal, or workers that
@@ -66,25 +81,14 @@ class ForwardToWorkers:
     workers before they return; see `AGENT_SIGNALS`.)"""
 
     def __init__(self, grace_s: float):
+        super().__init__()
         self.grace_s = grace_s
-        self.signum = 0
-        self._first_at = 0.0
-        self._previous: dict[int, Any] = {}
         self._timer: Optional[threading.Timer] = None
-
-    def install(self) -> "ForwardToWorkers":
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
-        return self
 
     def restore(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        for sig, handler in self._previous.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-        self._previous = {}
+        super().restore()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         import multiprocessing
@@ -102,7 +106,7 @@ class ForwardToWorkers:
             self._timer = threading.Timer(self.grace_s, os.kill, (os.getpid(), signum))
             self._timer.daemon = True
             self._timer.start()
-        elif not self.signum or now - self._first_at >= FANOUT_S:
+        elif not self.signum or self._is_repeat(now):  # no workers yet, or a second request
             sig = signal.Signals(signum)
             raise SignalException(f"process {os.getpid()} got {sig.name}", sigval=sig)
 
