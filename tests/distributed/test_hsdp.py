@@ -57,6 +57,7 @@ def _assert_half(summary: dict, ref: dict) -> None:
         assert abs(_state_bytes(entry) / _state_bytes(full) - 0.5) < 0.001, (entry, full)
 
 
+@pytest.mark.slow  # 4 processes: 25-60 s; the quick subset stays under 3 minutes
 def test_hsdp_two_shard_groups_on_one_node(tmp_path, corpus_dir, cache_dir):
     """cpu:4 with shard groups of 2: a 2 x 2 mesh in one command. Same losses as one process
     with the same global batch, half the state per rank."""

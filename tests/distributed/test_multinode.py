@@ -267,7 +267,7 @@ def test_hsdp_across_two_addresses_stops_on_sigterm_and_resumes(tmp_path, corpus
         port = free_port()
         return [start(node_args(corpus_dir, cache_dir, r, port, **{
             "distributed.master_addr": addr0, "trainer.devices": "cpu:2",
-            "trainer.strategy": "hsdp", "trainer.max_steps": 120, "checkpoint.dir": shared}),
+            "trainer.strategy": "hsdp", "trainer.max_steps": 60, "checkpoint.dir": shared}),
             tmp_path / f"host{r}", env={"GLOO_SOCKET_IFNAME": ifname},
             prefix=["ip", "netns", "exec", ns])
             for r, (ns, ifname) in enumerate(((ns0, if0), (ns1, if1)))]
@@ -290,5 +290,5 @@ def test_hsdp_across_two_addresses_stops_on_sigterm_and_resumes(tmp_path, corpus
     results = finish(nodes(), timeout=300)
     assert [rc for rc, _, _ in results] == [0, 0], [e[-2000:] for _, _, e in results]
     s = read_summary(tmp_path / "host0" / "runs" / "mn")
-    assert (s["strategy"], s["world_size"], s["steps"]) == ("hsdp", 4, 120)
+    assert (s["strategy"], s["world_size"], s["steps"]) == ("hsdp", 4, 60)
     assert s["resumed_from"]["step"] == steps[0]

@@ -98,4 +98,5 @@ def test_exit_code_from_the_real_process(tmp_path):
     r = run_cli(["train", "trainer.strategy=foo"], cwd=tmp_path, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "paratrain: error: trainer.strategy='foo' is not one of: auto, single, ddp, fsdp, dp"]
+        "paratrain: error: trainer.strategy='foo' is not one of: auto, single, ddp, fsdp, hsdp, "
+        "dp"]

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def _args(corpus_dir, cache_dir, name, **extra):
     return ["train"] + tiny_overrides(corpus_dir, cache_dir, **{
-        "trainer.devices": "cpu:2", "trainer.max_steps": 300, "run.name": name, **extra})
+        "trainer.devices": "cpu:2", "trainer.max_steps": 120, "run.name": name, **extra})
 
 
 def _interrupt(proc, run_dir, ck_dir=None):
@@ -56,7 +56,7 @@ def test_ctrl_c_says_where_it_stopped_and_the_same_command_resumes(tmp_path, cor
     # every rank finished its step, then the stop's own snapshot was committed (not the last
     # periodic one)
     assert snap == max(committed_steps(ck)) and snap >= 25
-    assert int(re.search(r"after step (\d+) of 300", line).group(1)) <= snap
+    assert int(re.search(r"after step (\d+) of 120", line).group(1)) <= snap
 
     again = run_cli(args, cwd=tmp_path, timeout=180)  # the very same command
     assert again.returncode == 0, again.stderr[-3000:]
