@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def main() -> None:
-    from paratrain.launch import free_port
+    from paratrain.launch.environment import free_port
     corpus = Path(sysconfig.get_paths()["stdlib"]) / "email"
     work = Path(tempfile.mkdtemp(prefix="elastic-"))
     port = free_port()

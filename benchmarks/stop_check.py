@@ -41,7 +41,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--iters", type=int, default=2000)
     a = p.parse_args()
-    from paratrain.launch import free_port
+    from paratrain.launch.environment import free_port
     out = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_rank, args=(a.world, free_port(), a.iters, out), nprocs=a.world,
                        start_method="spawn")

@@ -1,6 +1,7 @@
 """paratrain: train PyTorch models on many devices with data parallelism.
 
-    from paratrain import Trainer, TrainConfig
+    from paratrain import Trainer
+    from paratrain import TrainConfig
     result = Trainer(TrainConfig.from_yaml("configs/llama-small.yaml")).fit()
 
 The names below are imported on first use, so `paratrain --help` and config errors answer
@@ -12,10 +13,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import CheckpointError, ConfigError, DataError, ParatrainError, RunDirError, TrainingError
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    ParatrainError,
+    RunDirError,
+    TrainingError,
+)
 
 _LAZY = {"Trainer": "trainer", "RunResult": "trainer", "TrainConfig": "config",
-         "DistEnv": "dist", "load_model": "model_io"}
+         "DistEnv": "dist", "load_model": "models.files"}
 
 __all__ = ["Trainer", "TrainConfig", "RunResult", "DistEnv", "load_model", "ParatrainError",
            "ConfigError", "DataError", "RunDirError", "TrainingError", "CheckpointError"]

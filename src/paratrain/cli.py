@@ -35,8 +35,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
         import signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends us at once
         import os
-        from .preemption import signal_name
-        from .rundir import stopped_message
+
+        from .checkpoint.rundir import stopped_message
+        from .launch.preemption import signal_name
         signum = getattr(e, "signum", signal.SIGINT)
         how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal_name(signum)}"
         if (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0") == "0":
@@ -53,51 +54,32 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    """What the run's task does with a prompt (registry: continue it, answer it, label it)."""
     import torch
 
-    from .model_io import load_model, model_dir_of
-    from .models import generate
-    from .models.hf import generate_hf, is_hf_folder
-    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    mdir = model_dir_of(ns.run_dir)
-    if _run_format(ns.run_dir) == "classify":  # a classifier labels the prompt instead
-        from .classify_task import classify_text
-        label, p = classify_text(mdir, ns.prompt, device)
-        print(f"paratrain: {ns.run_dir} is a text classifier: it labels --prompt (probability "
-              f"{p:.3f}) instead of continuing it", file=sys.stderr)
-        print(label)
-        return 0
-    if is_hf_folder(mdir):  # a fine-tuned Hugging Face model
-        print(generate_hf(mdir, ns.prompt, chat=_run_format(ns.run_dir) == "chat",
-                          max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
-                          top_k=ns.top_k or None, seed=ns.seed, device=device))
-        return 0
-    model, tokenizer = load_model(ns.run_dir, device=device)
-    if tokenizer is None:
-        raise ParatrainError(f"{ns.run_dir!r} has no tokenizer.json next to the model")
-    ids = [tokenizer.bot_id] + tokenizer.encode(ns.prompt) if ns.bos else \
-        tokenizer.encode(ns.prompt)
-    if not ids:
-        raise ParatrainError("--prompt encodes to no tokens; give some text, e.g. --prompt 'def '")
-    g = torch.Generator(device=device).manual_seed(ns.seed)
-    idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T0)
-    out = generate(model, idx, ns.max_new_tokens, temperature=ns.temperature,
-                   top_k=ns.top_k or None, eos_id=tokenizer.eot_id, generator=g)
-    print(tokenizer.decode(out[0].tolist()))
+    from .models.files import model_dir_of
+    from .models.generate import GenerateOptions
+    from .tasks import registry
+    opts = GenerateOptions(
+        run_dir=ns.run_dir, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
+        top_k=ns.top_k or None, seed=ns.seed, bos=ns.bos,
+        device=ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    spec = registry.get(_run_format(ns.run_dir) or "packed", key=f"{ns.run_dir}'s data.format")
+    print(spec.generator()(model_dir_of(ns.run_dir), ns.prompt, opts))
     return 0
 
 
-def _run_format(run_dir: str) -> str | None:
-    """The run's data.format from its config.yaml: chat prompts get the chat template, and a
-    classify run labels the prompt."""
-    from omegaconf import OmegaConf
+def _run_format(run_dir: str) -> Optional[str]:
+    """The run's data.format from its config.yaml (None for a bare model/ folder)."""
     from pathlib import Path
+
+    from omegaconf import OmegaConf
     cfg_file = Path(run_dir) / "config.yaml"
     return OmegaConf.load(cfg_file).get("data", {}).get("format") if cfg_file.is_file() else None
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
-    from .bench import run_bench
+    from .tools.bench import run_bench
     path, overrides = _split_config_args(ns.args)
     report = run_bench(path, overrides, scaling=ns.scaling,
                        rows=ns.rows.split(",") if ns.rows else None, steps=ns.steps,
@@ -113,7 +95,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     import json
 
     from .config import TrainConfig
-    from .plan import format_plan, plan_for_config
+    from .parallel.memory_plan import format_plan, plan_for_config
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)
     rows, capacity, pick = plan_for_config(cfg)
@@ -135,10 +117,10 @@ def cmd_config_show(ns: argparse.Namespace) -> int:
 def cmd_checkpoint_inspect(ns: argparse.Namespace) -> int:
     import json
 
-    from . import snapshot_store
-    _, step = snapshot_store.split(ns.path)
+    from .checkpoint import store
+    _, step = store.split(ns.path)
     if step is None:  # a checkpoints folder or a run dir: one line per snapshot
-        rows = snapshot_store.listing(ns.path)
+        rows = store.listing(ns.path)
         if ns.json:
             print(json.dumps(rows, indent=2))
         for r in [] if ns.json else rows:
@@ -146,29 +128,29 @@ def cmd_checkpoint_inspect(ns: argparse.Namespace) -> int:
             print(f"{r['path']}  step {r['step']}  {state}  {r['bytes']:,} bytes"
                   + (f"  unusable: {r['problem']}" if r["committed"] and r["problem"] else ""))
         return 0
-    d = snapshot_store.describe(ns.path)
-    print(json.dumps(d, indent=2) if ns.json else snapshot_store.format_description(d))
+    d = store.describe(ns.path)
+    print(json.dumps(d, indent=2) if ns.json else store.format_description(d))
     return 0
 
 
 def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
     if ns.format == "hf":  # a finished run's model/ as a Hugging Face LlamaForCausalLM folder
-        from .hf_export import export_hf
+        from .checkpoint.hf_export import export_hf
         print(f"wrote {export_hf(ns.path, ns.out, overwrite=ns.overwrite)}")
         return 0
-    from .snapshot_store import export_snapshot
+    from .checkpoint.store import export_snapshot
     print(f"wrote {export_snapshot(ns.path, ns.out)}")
     return 0
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
-    from .report import write_report
+    from .records.report import write_report
     print(f"wrote {write_report(ns.run_dir, ns.out)}")
     return 0
 
 
 def cmd_doctor(ns: argparse.Namespace) -> int:
-    from . import doctor
+    from .tools import doctor
     return doctor.run(ns)
 
 

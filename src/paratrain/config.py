@@ -21,7 +21,6 @@ from .formatting import first_line
 from .redact import redact_secrets
 
 
-
 @dataclass
 class RunConfig:
     name: str = "stdlib-llama"

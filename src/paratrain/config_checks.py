@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import ConfigError
+from .formatting import one_of
 from .models.presets import ARCHS, resolve_model_config
+from .tasks import registry
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
-FORMATS = ("packed", "padded", "pairs", "chat", "classify")
-FINETUNE_FORMATS = ("pairs", "chat", "classify")  # records encoded with a pretrained tokenizer
 TOKENIZERS = ("auto", "bpe", "char")
 # Files any one of which makes a folder loadable by transformers' AutoTokenizer.from_pretrained.
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
@@ -75,9 +75,9 @@ def validate(cfg: Any) -> None:
     _choice("model.arch", cfg.model.arch, ARCHS + ("hf",))
     _choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
     _choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
-    _choice("data.format", cfg.data.format, FORMATS)
+    spec = registry.get(cfg.data.format)  # an unknown name lists the registered ones
     _choice("data.padded_overflow", cfg.data.padded_overflow, ("truncate", "split"))
-    _check_data_format(cfg)
+    _check_data_format(cfg, spec)
     _choice("distributed.backend", cfg.distributed.backend, BACKENDS)
     _choice("distributed.rdzv", cfg.distributed.rdzv, ("static", "c10d"))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name):
@@ -153,7 +153,7 @@ def validate(cfg: Any) -> None:
                 and not Path(p).expanduser().is_file():
             raise ConfigError(f"model.arch=hf needs model.path, a local directory with a "
                               f"config.json (got {p!r}); nothing is downloaded")
-        if cfg.data.format not in FINETUNE_FORMATS:
+        if not spec.pretrained:
             _check_hf_corpus_tokenizer(cfg)
         return
     # Model shape checks need the preset applied; models.presets does them (ConfigError too).
@@ -161,8 +161,9 @@ def validate(cfg: Any) -> None:
                          seq_length=cfg.data.seq_length)
 
 
-def _check_data_format(cfg: Any) -> None:
-    """Fine-tuning formats need a pretrained model and its tokenizer; corpora a tokenizer kind."""
+def _check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
+    """Fine-tuning formats need a pretrained model and its tokenizer; corpora a tokenizer kind;
+    then the task's own checks."""
     d = cfg.data
     if d.pack:
         raise ConfigError(
@@ -171,19 +172,18 @@ def _check_data_format(cfg: Any) -> None:
             "or per-example positions, which paratrain cannot guarantee for a Hugging Face "
             "model; leave data.pack=false (examples are padded to the longest of each "
             "micro-batch, which wastes little) or use data.format=packed for plain text"
-            if d.format in FINETUNE_FORMATS else
+            if spec.pretrained else
             f"data.pack applies to data.format=pairs or chat; data.format={d.format} "
-            + ("already packs documents into windows" if d.format == "packed" else
+            + ("already packs documents into windows" if spec.packed else
                "keeps one document per row"))
-    if d.format in FINETUNE_FORMATS:
+    if spec.pretrained:
         if cfg.model.arch != "hf":
             raise ConfigError(f"data.format={d.format} fine-tunes a pretrained Hugging Face "
                               f"model: set model.arch=hf model.path=DIR (got model.arch="
                               f"{cfg.model.arch}); export one of ours with `paratrain "
                               "checkpoint export RUN_DIR OUT --format hf`")
-        if d.format == "classify" and not (d.text_field and d.label_field):
-            raise ConfigError("data.format=classify needs data.text_field and data.label_field, "
-                              "the names of the text and label fields of the records")
+        for check in spec.checks:
+            check(cfg)
         if cfg.model.lora.r < 0 or not cfg.model.lora.target_modules:
             raise ConfigError("model.lora.r must be >= 0 (0: off) and model.lora.target_modules "
                               "a non-empty list of module names")
@@ -198,8 +198,8 @@ def _check_data_format(cfg: Any) -> None:
         return
     if cfg.model.lora.r:
         raise ConfigError("model.lora applies to a pretrained Hugging Face model being "
-                          "fine-tuned: use model.arch=hf with data.format=pairs, chat or "
-                          "classify")
+                          "fine-tuned: use model.arch=hf with data.format="
+                          + one_of(registry.names(pretrained=True)))
     if d.tokenizer not in TOKENIZERS and not Path(d.tokenizer).expanduser().is_dir():
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not one of: "
                           f"{', '.join(TOKENIZERS)}, or a directory (a pretrained tokenizer "

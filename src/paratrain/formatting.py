@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
 def first_line(e: BaseException) -> str:
@@ -19,6 +19,12 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def one_of(items: Sequence[str]) -> str:
+    """["a", "b", "c"] -> "a, b or c": a choice named in a sentence."""
+    items = list(items)
+    return " or ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
 
 def human_count(n: float) -> str:

@@ -17,9 +17,9 @@ import torch
 
 from .config import TrainConfig
 from .errors import ConfigError, DataError
-from .parallel import Parallelism, resolve_parallelism
-from .plan import Choice, choose, device_capacity, estimate
-from .task import Task
+from .parallel.memory_plan import Choice, choose, device_capacity, estimate
+from .parallel.strategies import Parallelism, resolve_parallelism
+from .tasks.base import Task
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,9 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     """The plan of a run of `world_size` processes, `local_world_size` of them on this node.
     `choice`: the memory plan's pick for `auto` (see `auto_choice`); `ranks_on_host`: processes
     of this job that share this machine's cores (several "nodes" on one host), default local."""
-    from . import loggers
-    from .launch import cpu_count
-    from .precision import check_precision
+    from .launch.environment import cpu_count
+    from .parallel.precision import check_precision
+    from .records import loggers
     tr = cfg.trainer
     devices = list(devices)
     parallelism, why = resolve_parallelism(
@@ -92,7 +92,8 @@ def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.
     rows = estimate(probe.build_model, world=world_size, precision=tr.precision,
                     micro_batch=tr.batch_size, seq_length=probe.seq_length,
                     vocab_size=probe.vocab_size, reshard_after_forward=tr.reshard_after_forward,
-                    shard_group_size=tr.shard_group_size or local_world_size)
+                    shard_group_size=tr.shard_group_size or local_world_size,
+                    frozen_factory=probe.build_frozen)
     return choose(rows, device_capacity(device, local_world_size))
 
 

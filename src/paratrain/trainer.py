@@ -11,25 +11,24 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from torch import nn
 
-from . import launch
+from .checkpoint.rundir import check_run_dir
 from .config import TrainConfig
-from .console import log
 from .dist import DistEnv, restart_attempt
 from .errors import ConfigError, Interrupted
-from .nodes import join_nodes
-from .parallel import processes_per_node
-from .preemption import requeue_slurm_job
-from .rank import prepare_task, run_rank
-from .rundir import check_run_dir
+from .launch import environment
+from .launch.nodes import join_nodes
+from .launch.preemption import requeue_slurm_job
+from .parallel.strategies import processes_per_node
+from .records.console import log
 from .runplan import RunPlan, auto_choice, check_elastic_batch, make_plan
-from .finetune_task import FinetuneRecords
-from .task import check_picklable
-from .user_task import UserTask
-
+from .runtime.rank import prepare_task, run_rank
+from .tasks import registry
+from .tasks.base import Task, TaskRecords, check_picklable
+from .tasks.user import UserTask
 
 ELASTIC_RESTARTS = 3  # failures (a node lost) an elastic job survives when max_restarts is 0
 
@@ -62,7 +61,9 @@ class Trainer:
     (`train_data=` may instead be a .jsonl / .parquet / .csv path, or a list of
     {"input", "output"} or {"messages"} records.) `task="classify"` trains a text classifier
     instead (AutoModelForSequenceClassification): train_input= the texts, train_output= their
-    labels (strings or ints), or {"text", "label"} records. Keyword arguments set `trainer.*`
+    labels (strings or ints), or {"text", "label"} records. `task=` may also be a Task object
+    of your own (tasks/base.py: the model, data, loss, frozen models and how to save), trained
+    as it is. Keyword arguments set `trainer.*`
     and `optim.*` keys by name (devices=, strategy=, batch_size=, lr=, ...), plus `run_dir=`,
     `run_name=`, `overwrite=`; `distributed_config={...}` sets `distributed.*`; `overrides=[...]`
     takes dotted keys."""
@@ -75,11 +76,16 @@ class Trainer:
                  train_input: Optional[Sequence[str]] = None,
                  train_output: Optional[Sequence[str]] = None,
                  validation_input: Optional[Sequence[str]] = None,
-                 validation_output: Optional[Sequence[str]] = None, task: Optional[str] = None,
-                 **kwargs: Any):
+                 validation_output: Optional[Sequence[str]] = None,
+                 task: Union[str, Task, None] = None, **kwargs: Any):
         finetune: list[str] = []
-        self.given: Any = None
-        if isinstance(model, (str, Path)):  # a pretrained Hugging Face model directory
+        self.given: Union[Task, TaskRecords, None] = None
+        if task is not None and not isinstance(task, str):  # a Task object of the user's own
+            if model is not None or train_data is not None:
+                raise ConfigError("task= a Task object brings its own model and data: leave "
+                                  "model= and train_data= out")
+            self.given, finetune = task, ["run.name=custom"]
+        elif isinstance(model, (str, Path)):  # a pretrained Hugging Face model directory
             self.given, finetune = _finetune_records(
                 str(model), train_data, val_data, train_input, train_output, validation_input,
                 validation_output, task=task)
@@ -115,8 +121,8 @@ class Trainer:
         """Train; a stop signal (Ctrl-C, SIGTERM, SIGUSR1) raises `errors.Interrupted` once a
         snapshot is committed, after requeueing the Slurm job when `distributed.requeue`."""
         cfg = self.cfg
-        launcher = launch.detect_launcher()
-        job_id = launch.slurm_job_id()
+        launcher = environment.detect_launcher()
+        job_id = environment.slurm_job_id()
         if cfg.distributed.requeue and job_id is None:
             raise ConfigError("distributed.requeue=true requeues a Slurm job, but this is not one "
                               "(SLURM_JOB_ID is not set); submit with sbatch, or drop the key")
@@ -128,19 +134,22 @@ class Trainer:
                 log(DistEnv(), requeue_slurm_job(job_id))
             raise
 
-    def _fit(self, cfg: TrainConfig, launcher: Optional[launch.LauncherEnv]) -> RunResult:
+    def _fit(self, cfg: TrainConfig, launcher: Optional[environment.LauncherEnv]) -> RunResult:
         if launcher is not None:  # torchrun / Slurm started us: we are one rank; it plans itself
-            env = launch.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
+            env = environment.worker_dist_env(launcher, cfg.trainer.devices,
+                                              cfg.distributed.backend,
                                          cfg.distributed.timeout_s)
             return _result(run_rank(cfg, dataclasses.replace(env, attempt=restart_attempt()),
                                     given=self.given))
-        devices = launch.parse_devices(cfg.trainer.devices)
+        devices = environment.parse_devices(cfg.trainer.devices)
         d = cfg.distributed
         # Everything a user can get wrong is checked here, before a single worker starts.
         if isinstance(self.given, UserTask):
             u = self.given
             check_picklable(model=u.model_factory, train_data=u.train_ds, val_data=u.val_ds,
                             loss_fn=u.loss_fn, collate_fn=u.collate_fn)
+        elif self.given is not None and not isinstance(self.given, TaskRecords):
+            check_picklable(task=self.given)
         if d.node_rank == 0:  # only node 0 writes outputs
             note = check_run_dir(cfg)
             if note:
@@ -183,7 +192,8 @@ class Trainer:
         return _result(results[min(results)])
 
 
-def worker_entry(cfg: TrainConfig, plan: Optional[RunPlan], given: Any = None) -> dict:
+def worker_entry(cfg: TrainConfig, plan: Optional[RunPlan],
+                 given: Union[Task, TaskRecords, None] = None) -> dict:
     """One worker started by the elastic agent (pickled by name, so it lives at module level).
     `plan` None: an elastic round, whose ranks plan for the world size they found."""
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -209,10 +219,11 @@ def worker_entry(cfg: TrainConfig, plan: Optional[RunPlan], given: Any = None) -
     return out
 
 
-def _worker_main(cfg: TrainConfig, plan: Optional[RunPlan], given: Any) -> dict:
-    launcher = launch.detect_launcher()
+def _worker_main(cfg: TrainConfig, plan: Optional[RunPlan],
+                 given: Union[Task, TaskRecords, None]) -> dict:
+    launcher = environment.detect_launcher()
     assert launcher is not None, "worker_entry runs under the elastic agent"
-    env = launch.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
+    env = environment.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
                                  cfg.distributed.timeout_s,
                                  devices=list(plan.devices) if plan is not None else None)
     return run_rank(cfg, dataclasses.replace(env, attempt=restart_attempt()), plan, given)
@@ -228,24 +239,25 @@ def _result(out: dict) -> RunResult:
 
 
 def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: Any,
-                      task: Optional[str] = None
-                      ) -> tuple[Optional[FinetuneRecords], list[str]]:
+                      task: Optional[str] = None) -> tuple[Optional[TaskRecords], list[str]]:
     """Trainer(model="DIR", ...): (the records to send to the workers, or None when they are
-    read from data.source; the config overrides that say so). `task`: pairs, chat or classify
-    (data.format); None: pairs, or what the records hold."""
-    from .config_checks import FINETUNE_FORMATS
+    read from data.source; the config overrides that say so). `task`: a registered fine-tuning
+    task (data.format); None: pairs, or the task whose fields the records hold."""
     from .data.records import read_rows, rows_from_lists
-    if task is not None and task not in FINETUNE_FORMATS:
-        raise ConfigError(f"task={task!r} is not one of: {', '.join(FINETUNE_FORMATS)} (or "
-                          "leave it out: pairs, or chat for records with messages)")
+    tuning = registry.names(pretrained=True)
+    if task is not None and task not in tuning:
+        raise ConfigError(f"task={task!r} is not one of: {', '.join(tuning)} (or leave it out: "
+                          "pairs, or chat for records with messages)")
+    default = registry.DEFAULT_RECORDS
     train_input, train_output, val_input, val_output = lists
     over = ["model.arch=hf", f"model.path={model_dir}", "run.name=finetune"]
     if train_input is not None or train_output is not None:
-        fields = ("text", "label") if task == "classify" else ("input", "output")
+        fields = registry.get(task or default).record_fields
+        fields = fields if len(fields) == 2 else registry.get(default).record_fields
         train = rows_from_lists(train_input or [], train_output or [], *fields, what="train")
         val = rows_from_lists(val_input or [], val_output or [], *fields, what="validation") \
             if val_input is not None or val_output is not None else None
-        return FinetuneRecords(train, val), over + [f"data.format={task or 'pairs'}"]
+        return TaskRecords(train, val), over + [f"data.format={task or default}"]
     if train_data is None:
         raise ConfigError("Trainer(model=DIR) fine-tunes on train_input=[...] and "
                           "train_output=[...], or train_data= (a .jsonl / .parquet / .csv path "
@@ -253,13 +265,12 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
     if isinstance(train_data, (str, Path)):
         over += [f"data.source={train_data}"] + ([f"data.val_source={val_data}"]
                                                  if isinstance(val_data, (str, Path)) else [])
-        return None, over + [f"data.format={task or 'pairs'}"]
+        return None, over + [f"data.format={task or default}"]
     train = read_rows(train_data, what="train_data")
     val = read_rows(val_data, what="val_data") if val_data is not None else None
     first = train[0] if train and isinstance(train[0], dict) else {}
-    kind = task or ("chat" if "messages" in first else
-                    "classify" if {"text", "label"} <= set(first) else "pairs")
-    return FinetuneRecords(train, val), over + [f"data.format={kind}"]
+    kind = task or registry.recognize(first).name
+    return TaskRecords(train, val), over + [f"data.format={kind}"]
 
 
 def _dot_value(v: Any) -> str:

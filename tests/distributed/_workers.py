@@ -10,7 +10,7 @@ import torch
 from paratrain.dist import DistEnv
 from paratrain.models import build_model
 from paratrain.models.presets import ModelArgs
-from paratrain.parallel import DDP, parallelize
+from paratrain.parallel.strategies import DDP, parallelize
 
 
 def ddp_replicas(rank: int, world: int, port: int, result_path: str) -> None:

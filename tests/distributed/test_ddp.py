@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from paratrain.launch import free_port
+from paratrain.launch.environment import free_port
 from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
 from tests.distributed import _workers
 

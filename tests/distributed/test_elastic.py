@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.launch import free_port
+from paratrain.launch.environment import free_port
 from tests.conftest import read_metrics, read_summary, run_cli
 from tests.distributed._snapshot_helpers import committed_steps, samples, steps_logged
 from tests.distributed.test_multinode import finish, node_args, start

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from paratrain import TrainConfig, load_model
-from paratrain.plan import plan_for_config
+from paratrain.parallel.memory_plan import plan_for_config
 from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

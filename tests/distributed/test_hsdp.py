@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.launch import free_port
+from paratrain.launch.environment import free_port
 from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
 from tests.distributed._snapshot_helpers import interrupted_copy
 from tests.distributed.test_multinode import finish as finish_nodes

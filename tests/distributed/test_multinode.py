@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.launch import free_port
+from paratrain.launch.environment import free_port
 from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.timeout(180)

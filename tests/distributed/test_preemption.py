@@ -16,9 +16,18 @@ import time
 import pytest
 
 from tests.conftest import run_cli
-from tests.distributed._snapshot_helpers import (args_for, assert_bit_identical, committed_steps,
-                                                 finish, kill_job, reference_run, start_cli,
-                                                 steps_logged, wait_for, worker_pids)
+from tests.distributed._snapshot_helpers import (
+    args_for,
+    assert_bit_identical,
+    committed_steps,
+    finish,
+    kill_job,
+    reference_run,
+    start_cli,
+    steps_logged,
+    wait_for,
+    worker_pids,
+)
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 

@@ -10,9 +10,17 @@ import signal
 import pytest
 
 from tests.conftest import read_summary
-from tests.distributed._snapshot_helpers import (args_for, assert_bit_identical, committed_steps,
-                                                 finish, reference_run, start_cli, steps_logged,
-                                                 wait_for, worker_pids)
+from tests.distributed._snapshot_helpers import (
+    args_for,
+    assert_bit_identical,
+    committed_steps,
+    finish,
+    reference_run,
+    start_cli,
+    steps_logged,
+    wait_for,
+    worker_pids,
+)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

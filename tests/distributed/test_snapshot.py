@@ -13,11 +13,20 @@ import socket
 
 import pytest
 
-from paratrain import snapshot_store as snapshot
+from paratrain.checkpoint import store as snapshot
 from tests.conftest import read_metrics, read_summary, run_cli
-from tests.distributed._snapshot_helpers import (args_for, assert_bit_identical, committed_steps,
-                                                 interrupted_copy, kill_job, reference_run,
-                                                 samples, start_cli, steps_logged, wait_for)
+from tests.distributed._snapshot_helpers import (
+    args_for,
+    assert_bit_identical,
+    committed_steps,
+    interrupted_copy,
+    kill_job,
+    reference_run,
+    samples,
+    start_cli,
+    steps_logged,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

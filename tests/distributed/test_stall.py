@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from paratrain.dist import DistEnv
-from paratrain.watchdog import Watchdog
+from paratrain.launch.watchdog import Watchdog
 from tests.conftest import tiny_overrides
 
 pytestmark = pytest.mark.timeout(150)

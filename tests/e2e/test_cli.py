@@ -50,7 +50,7 @@ def test_run_dir_holds_what_design_lists(trained_run, corpus_dir):
     assert [m["step"] for m in rows if "val_loss" in m] == [10, 20]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3  # the loss visibly falls
     from paratrain.config import TrainConfig
-    from paratrain.optim import lr_at
+    from paratrain.runtime.optim import lr_at
     optim_cfg = TrainConfig.from_yaml(run_dir / "config.yaml").optim
     # the lr logged at step s is the one step s used: lr_at(s - 1) (lr_at counts from 0)
     assert [m["lr"] for m in rows] == pytest.approx(
@@ -129,7 +129,8 @@ def test_torchrun_launch(tmp_path, corpus_dir, cache_dir):
 
 API_SCRIPT = """
 import json, sys
-from paratrain import Trainer, TrainConfig
+from paratrain import Trainer
+from paratrain import TrainConfig
 
 if __name__ == "__main__":
     cfg = TrainConfig.from_yaml(None, sys.argv[1:])

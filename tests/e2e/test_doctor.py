@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from paratrain.launch import free_port
+from paratrain.launch.environment import free_port
 from tests.conftest import run_cli
 from tests.distributed.test_multinode import finish, start
 

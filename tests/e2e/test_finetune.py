@@ -64,7 +64,7 @@ def _val_loss_on_outputs(model_dir: Path, val: Path, model=None) -> float:
     from paratrain.data.finetune import PadCollate, encode_pairs
     from paratrain.data.hf_tokenizer import load_tokenizer
     from paratrain.data.records import read_rows
-    from paratrain.task import token_loss
+    from paratrain.tasks.base import token_loss
     tok, _ = load_tokenizer(model_dir)
     examples, _ = encode_pairs(read_rows(str(val), what="val"), tok, max_length=64,
                                chat_template="auto")
@@ -259,8 +259,14 @@ def test_lora_fsdp_killed_and_rerun_ends_bit_identical(tmp_path, pretrained, pai
     pytest.importorskip("peft")
     from safetensors.torch import load_file
 
-    from tests.distributed._snapshot_helpers import (assert_bit_identical, committed_steps,
-                                                     finish, kill_job, start_cli, wait_for)
+    from tests.distributed._snapshot_helpers import (
+        assert_bit_identical,
+        committed_steps,
+        finish,
+        kill_job,
+        start_cli,
+        wait_for,
+    )
     train, val = pairs
     extra = {"model.lora.r": 4, "trainer.strategy": "fsdp", "trainer.max_steps": 16,
              "trainer.log_every": 1, "checkpoint.every_steps": 4,

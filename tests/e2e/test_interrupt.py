@@ -11,9 +11,14 @@ import time
 
 import pytest
 
-from tests.distributed._snapshot_helpers import (committed_steps, finish, start_cli, steps_logged,
-                                                 wait_for)
 from tests.conftest import run_cli, tiny_overrides
+from tests.distributed._snapshot_helpers import (
+    committed_steps,
+    finish,
+    start_cli,
+    steps_logged,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -91,7 +91,7 @@ def test_model_dir_and_snapshots_carry_the_tokenizer_unchanged(run, tokenizers, 
 
 
 def test_load_model_and_generate_use_the_pretrained_tokenizer(run, tokenizers):
-    from paratrain.model_io import load_model
+    from paratrain.models.files import load_model
     run_dir, _, _ = run
     hf = transformers.AutoTokenizer.from_pretrained(tokenizers[0], local_files_only=True)
     model, tok = load_model(run_dir)
@@ -106,7 +106,7 @@ def test_load_model_and_generate_use_the_pretrained_tokenizer(run, tokenizers):
 
 
 def test_hf_export_keeps_the_tokenizer_and_matches_logits(run, tokenizers, tmp_path):
-    from paratrain.model_io import load_model
+    from paratrain.models.files import load_model
     run_dir, _, _ = run
     out = tmp_path / "hf"
     r = run_cli(["checkpoint", "export", str(run_dir), str(out), "--format", "hf"],

@@ -11,18 +11,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from paratrain import snapshot_store as snapshot
+from paratrain.checkpoint import store as snapshot
+from paratrain.checkpoint.rundir import check_run_dir, trim_jsonl
+from paratrain.checkpoint.snapshotter import Snapshotter
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.dist import DistEnv
 from paratrain.errors import CheckpointError, ConfigError, RunDirError
-from paratrain.model_io import load_model
 from paratrain.models import build_model
+from paratrain.models.files import load_model
 from paratrain.models.presets import resolve_model_config
-from paratrain.optim import build_optimizer, build_scheduler
-from paratrain.parallel import Parallelism
-from paratrain.rundir import check_run_dir, trim_jsonl
+from paratrain.parallel.strategies import Parallelism
 from paratrain.runplan import RunPlan
-from paratrain.snapshotter import Snapshotter
+from paratrain.runtime.optim import build_optimizer, build_scheduler
 
 ARGS = resolve_model_config(ModelConfig(preset="tiny"), vocab_size=97, seq_length=16)
 

@@ -3,8 +3,8 @@
 import pytest
 
 from paratrain.config import TrainConfig
-from paratrain.redact import redact_secrets
 from paratrain.errors import ConfigError
+from paratrain.redact import redact_secrets
 
 
 def test_defaults_are_the_default_job():

@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 
 from paratrain.config import DataConfig
-from paratrain.data import (data_fingerprint, load_prepared, prepare_data, resolve_corpus,
-                            wait_for_data)
+from paratrain.data import (
+    data_fingerprint,
+    load_prepared,
+    prepare_data,
+    resolve_corpus,
+    wait_for_data,
+)
 from paratrain.errors import DataError
 
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from paratrain.config import DataConfig
-from paratrain.data import (PackedDataset, PaddedDataset, build_dataset, collate,
-                            prepare_data)
+from paratrain.data import PackedDataset, PaddedDataset, build_dataset, collate, prepare_data
 from paratrain.data.dataset import IGNORE_INDEX
 
 

@@ -10,11 +10,11 @@ import shutil
 import numpy as np
 import pytest
 
-from paratrain import model_io
 from paratrain.config import DataConfig, TrainConfig
 from paratrain.data import Tokenizer, data_fingerprint, prepare_data, resolve_corpus
 from paratrain.data.tokenizer import TOKENIZER_FILE, is_pretrained, tokenizer_files
 from paratrain.errors import ConfigError
+from paratrain.models import files as model_io
 from tests.conftest import make_hf_tokenizer
 from tests.unit.test_data_cache import make_corpus, quiet
 

@@ -9,16 +9,24 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tokenizers import (Tokenizer, decoders, models, pre_tokenizers, processors,  # noqa: E402
-                        trainers)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from paratrain.data.dataset import IGNORE_INDEX  # noqa: E402
 from paratrain.data.classify import encode_classify  # noqa: E402
-from paratrain.data.finetune import (FinetuneDataset, PadCollate, encode_chat,  # noqa: E402
-                                     encode_pairs, split_validation)
-from paratrain.data.hf_tokenizer import (_tokens_by_piece, assistant_spans,  # noqa: E402
-                                         load_tokenizer, tokens_in_spans)
+from paratrain.data.dataset import IGNORE_INDEX  # noqa: E402
+from paratrain.data.finetune import (  # noqa: E402
+    FinetuneDataset,
+    PadCollate,
+    encode_chat,
+    encode_pairs,
+    split_validation,
+)
+from paratrain.data.hf_tokenizer import (  # noqa: E402
+    _tokens_by_piece,
+    assistant_spans,
+    load_tokenizer,
+    tokens_in_spans,
+)
 from paratrain.data.records import read_rows, rows_from_lists  # noqa: E402
 from paratrain.data.stdlib_pairs import stdlib_pairs  # noqa: E402
 from paratrain.errors import ConfigError, DataError  # noqa: E402

@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from paratrain import model_io
+from paratrain.checkpoint.hf_export import export_hf, interleaved_to_half
 from paratrain.config import ModelConfig
 from paratrain.data import Tokenizer
 from paratrain.errors import ConfigError
-from paratrain.hf_export import export_hf, interleaved_to_half
 from paratrain.models import build_model, generate
+from paratrain.models import files as model_io
 from paratrain.models.presets import resolve_model_config
 
 transformers = pytest.importorskip("transformers")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from paratrain.errors import ConfigError
-from paratrain.launch import detect_launcher, parse_devices, slurm_master
+from paratrain.launch.environment import detect_launcher, parse_devices, slurm_master
 from paratrain.runplan import batch_plan
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from paratrain import cli
 from paratrain.errors import ConfigError
-from paratrain.launch import detect_launcher, worker_dist_env
-from paratrain.nodes import _compare
+from paratrain.launch.environment import detect_launcher, worker_dist_env
+from paratrain.launch.nodes import _compare
 from tests.conftest import tiny_overrides
 
 

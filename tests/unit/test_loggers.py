@@ -8,10 +8,10 @@ import types
 
 import pytest
 
-from paratrain import loggers
 from paratrain.config import LogConfig, TrainConfig
 from paratrain.dist import DistEnv
 from paratrain.errors import ConfigError, ParatrainError
+from paratrain.records import loggers
 
 
 def test_scalars_and_memory():
@@ -83,7 +83,7 @@ def test_other_ranks_have_no_sinks(tmp_path):
 
 def test_report_of_a_running_and_a_finished_run(tmp_path):
     pytest.importorskip("matplotlib")
-    from paratrain.report import write_report
+    from paratrain.records.report import write_report
     rows = [{"step": s, "loss": 5 - s / 10, "lr": 1e-3, "tokens_per_s": 1000.0 + s}
             for s in range(1, 11)]
     rows[4]["val_loss"] = 4.7

@@ -12,8 +12,15 @@ from torch.utils.checkpoint import checkpoint
 
 from paratrain.config import ModelConfig
 from paratrain.errors import ConfigError
-from paratrain.models import (PRESETS, ModelArgs, build_model, count_params, flops_per_token,
-                              generate, resolve_model_config)
+from paratrain.models import (
+    PRESETS,
+    ModelArgs,
+    build_model,
+    count_params,
+    flops_per_token,
+    generate,
+    resolve_model_config,
+)
 from paratrain.models.llama import Rotary
 
 ARCHS = ["llama", "gpt"]

@@ -5,7 +5,7 @@ import math
 import torch
 
 from paratrain.config import OptimConfig
-from paratrain.optim import build_optimizer, build_scheduler, lr_at
+from paratrain.runtime.optim import build_optimizer, build_scheduler, lr_at
 
 
 def test_schedule_warmup_then_cosine_to_floor():

@@ -33,9 +33,9 @@ from ..config import DataConfig
 from ..config_checks import resolve_tokenizer
 from ..errors import DataError
 from ..fileio import atomic_write_json
+from ..tasks import registry
 from .corpus import Corpus, resolve_corpus
-from .tokenizer import (TOKENIZER_FILE, Tokenizer, copy_tokenizer_files,
-                        tokenizer_files_fingerprint)
+from .tokenizer import TOKENIZER_FILE, Tokenizer, copy_tokenizer_files, tokenizer_files_fingerprint
 
 FORMAT_VERSION = 1
 SPLIT_SEED = 20240611  # fixed: the train/val split must not move when the training seed does
@@ -190,7 +190,7 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
         copy_tokenizer_files(pretrained, out / PRETRAINED_DIR)
         log(f"tokenizer: pretrained, {tokenizer.vocab_size} tokens, from {pretrained} (documents "
             f"end with id {tokenizer.eot_id}, padded rows start with {tokenizer.bot_id})"
-            + (f"; {note}" if note and cfg.format == "padded" else ""))
+            + (f"; {note}" if note and not registry.get(cfg.format).packed else ""))
     else:
         tokenizer_file = TOKENIZER_FILE
         tokenizer = _train_tokenizer(cfg, corpus, sizes, is_val, log)

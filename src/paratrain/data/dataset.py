@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..config import DataConfig
+from ..tasks import registry
 from .cache import PreparedData
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
@@ -147,14 +148,12 @@ class PaddedDataset(_TokenFile):
 
 
 def build_dataset(prepared: PreparedData, split: str, cfg: DataConfig) -> Dataset:
-    if cfg.format == "packed":
+    """Full windows (a packed format), else one document per padded row."""
+    if registry.get(cfg.format).packed:
         return PackedDataset(prepared, split, cfg.seq_length)
-    if cfg.format == "padded":
-        m = prepared.meta
-        return PaddedDataset(prepared, split, cfg.seq_length, bot_id=m["bot_id"],
-                             eot_id=m["eot_id"], pad_id=m["pad_id"],
-                             overflow=cfg.padded_overflow)
-    raise ValueError(f"data.format={cfg.format!r} is not one of: packed, padded")
+    m = prepared.meta
+    return PaddedDataset(prepared, split, cfg.seq_length, bot_id=m["bot_id"],
+                         eot_id=m["eot_id"], pad_id=m["pad_id"], overflow=cfg.padded_overflow)
 
 
 def collate(batch: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:

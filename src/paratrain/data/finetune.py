@@ -23,8 +23,14 @@ from torch.utils.data import Dataset
 
 from ..errors import ConfigError, DataError
 from .dataset import IGNORE_INDEX
-from .hf_tokenizer import (assistant_spans, eos_id, render_chat, special_prefix, tokens_in_spans,
-                           use_chat_template)
+from .hf_tokenizer import (
+    assistant_spans,
+    eos_id,
+    render_chat,
+    special_prefix,
+    tokens_in_spans,
+    use_chat_template,
+)
 
 # {"input_ids": [int], "targets": [int]}, or {"input_ids": [int], "label": int} to classify
 Example = Dict[str, Any]

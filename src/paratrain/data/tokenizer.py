@@ -21,13 +21,14 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
+
+from ..fileio import atomic_write_path
 
 PAD, BOT, EOT, UNK = "[PAD]", "[BOT]", "[EOT]", "[UNK]"
 SPECIAL_TOKENS = (PAD, BOT, EOT)  # ids 0, 1, 2 for every kind trained here
@@ -133,16 +134,8 @@ class Tokenizer:
         A pretrained tokenizer is never re-saved: its files are copied (copy_tokenizer_files)."""
         if self._pretrained:
             raise ValueError("a pretrained tokenizer travels as its files: copy_tokenizer_files")
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            self._hf.save(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with atomic_write_path(Path(path)) as tmp:
+            self._hf.save(str(tmp))
 
     # ---- use -------------------------------------------------------------------------------
     def encode(self, text: str) -> List[int]:

@@ -7,11 +7,49 @@ function shares the module's name, so it cannot be lazy there) and must stay tor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
+
+from ..errors import ParatrainError
 
 if TYPE_CHECKING:
     import torch
     import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """`paratrain generate`'s options, as every task's generate function takes them."""
+    run_dir: str
+    max_new_tokens: int = 100
+    temperature: float = 0.8  # 0: greedy
+    top_k: Optional[int] = 50
+    seed: int = 0
+    device: str = "cpu"
+    bos: bool = False  # start with [BOT], as padded-format training saw documents start
+
+
+def generate_from_run(model_dir: Path, prompt: str, opts: GenerateOptions) -> str:
+    """A language model's run (ours, or a Hugging Face model pretrained on a corpus): `prompt`
+    and its continuation."""
+    import torch
+
+    from .files import load_model
+    from .hf import generate_hf, is_hf_folder
+    if is_hf_folder(model_dir):
+        return generate_hf(model_dir, prompt, opts)
+    model, tokenizer = load_model(opts.run_dir, device=opts.device)
+    if tokenizer is None:
+        raise ParatrainError(f"{opts.run_dir!r} has no tokenizer.json next to the model")
+    ids = [tokenizer.bot_id] + tokenizer.encode(prompt) if opts.bos else tokenizer.encode(prompt)
+    if not ids:
+        raise ParatrainError("--prompt encodes to no tokens; give some text, e.g. --prompt 'def '")
+    g = torch.Generator(device=opts.device).manual_seed(opts.seed)
+    idx = torch.tensor([ids], dtype=torch.long, device=opts.device)  # (1, T0)
+    out = generate(model, idx, opts.max_new_tokens, temperature=opts.temperature,
+                   top_k=opts.top_k, eos_id=tokenizer.eot_id, generator=g)
+    return tokenizer.decode(out[0].tolist())
 
 
 def generate(model: "nn.Module", idx: "torch.Tensor", max_new_tokens: int,

@@ -1,13 +1,13 @@
-"""A local Hugging Face causal LM (`model.arch=hf model.path=DIR`): built from its config, loaded
-from safetensors only (nothing from the path is unpickled, nothing is downloaded), and saved as a
-`from_pretrained` folder."""
+"""A local Hugging Face model (`model.arch=hf model.path=DIR`; a causal LM unless the task loads
+it with another auto class): built from its config, loaded from safetensors only (nothing from
+the path is unpickled, nothing is downloaded), and saved as a `from_pretrained` folder."""
 
 from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
@@ -23,6 +23,7 @@ class HFArgs:
     path: str
     vocab_size: int
     arch: str = "hf"
+    auto_class: str = "AutoModelForCausalLM"  # the transformers class the task loads with
 
     def to_dict(self) -> dict:
         return {"arch": self.arch, "path": self.path, "vocab_size": self.vocab_size}
@@ -41,10 +42,10 @@ def build_hf(args: HFArgs) -> nn.Module:
                           f"than the tokenizer's {args.vocab_size}; raise it in config.json or "
                           "lower data.vocab_size")
     from ..config_checks import has_weights
+    auto = getattr(transformers, args.auto_class)
     if has_weights(p):  # safetensors only: nothing from the path is unpickled
-        return transformers.AutoModelForCausalLM.from_pretrained(p, local_files_only=True,
-                                                                 use_safetensors=True)
-    return transformers.AutoModelForCausalLM.from_config(config)
+        return auto.from_pretrained(p, local_files_only=True, use_safetensors=True)
+    return auto.from_config(config)
 
 
 def save_hf(model: nn.Module, out_dir: Path, state: dict, tokenizer_path: Optional[Path]) -> None:
@@ -65,12 +66,18 @@ def is_hf_folder(model_dir: Path) -> bool:
         return False
 
 
-def generate_hf(model_dir: Path, prompt: str, *, chat: bool, max_new_tokens: int,
-                temperature: float, top_k: Optional[int], seed: int, device: str) -> str:
+def generate_hf_chat(model_dir: Path, prompt: str, opts: Any) -> str:
+    """A chat run: the prompt is a user turn rendered with its chat template."""
+    return generate_hf(model_dir, prompt, opts, chat=True)
+
+
+def generate_hf(model_dir: Path, prompt: str, opts: Any, chat: bool = False) -> str:
     """Continue `prompt` with a fine-tuned Hugging Face model (local files only). `chat`: the
-    run trained on chat data, so the prompt is a user turn rendered with its chat template."""
+    run trained on chat data, so the prompt is a user turn rendered with its chat template.
+    `opts`: generate.GenerateOptions."""
     import torch
     import transformers
+    device, temperature, top_k = opts.device, opts.temperature, opts.top_k
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, local_files_only=True, use_safetensors=True).to(device).eval()
@@ -82,10 +89,11 @@ def generate_hf(model_dir: Path, prompt: str, *, chat: bool, max_new_tokens: int
         ids = tokenizer(prompt)["input_ids"]
     if not ids:
         raise ConfigError("--prompt encodes to no tokens; give some text")
-    torch.manual_seed(seed)
+    torch.manual_seed(opts.seed)
     idx = torch.tensor([ids], device=device)  # (1, T0)
     sample = temperature > 0
-    out = model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=max_new_tokens,
+    out = model.generate(idx, attention_mask=torch.ones_like(idx),
+                         max_new_tokens=opts.max_new_tokens,
                          do_sample=sample, temperature=temperature if sample else None,
                          top_k=top_k if sample else None,
                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)

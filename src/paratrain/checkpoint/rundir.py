@@ -1,0 +1,120 @@
+"""The rule for when an existing run dir may be written into, and getting it ready.
+
+A typo must never cost a run: a directory that holds a finished run is refused unless
+`run.overwrite=true`. The same command after any kill goes on: an unfinished run continues from
+its newest committed snapshot or, with none, starts over; and the elastic agent's restarted
+workers continue their own run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from ..config import TrainConfig
+from ..errors import RunDirError
+from ..fileio import atomic_write_text
+from ..models.files import MODEL_DIR
+from .store import Store, root_of
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", MODEL_DIR)
+PER_STEP_LOGS = ("metrics.jsonl", "samples.jsonl")  # one JSON line per step; trimmed on resume
+
+
+def check_run_dir(cfg: TrainConfig, attempt: int = 0) -> Optional[str]:
+    """Refuse to write over another run unless told to (RunDirError, one line). Returns a line
+    to log when the run dir holds an unfinished run that starts over.
+
+    The same command always goes on: an unfinished run (no summary.json) continues from its
+    newest committed snapshot, or, killed before its first one, starts over from step 0 (it
+    holds nothing worth keeping). Refused: a finished run, and an unfinished one with snapshots
+    that `checkpoint.resume=never` says not to use."""
+    d = cfg.run_dir
+    if d.exists() and not d.is_dir():
+        raise RunDirError(f"run.dir {str(d)!r} is a file; choose another run.name or run.dir")
+    existing = [f for f in RUN_FILES if (d / f).exists()]
+    if not existing or cfg.run.overwrite or attempt > 0:
+        return None
+    ways = ("start a new run with another run.name (Python: run_name=...), or replace it with "
+            "run.overwrite=true (Python: overwrite=True)")
+    if "summary.json" in existing:
+        raise RunDirError(
+            f"run.dir {str(d)!r} already holds a finished run ({', '.join(existing)}); {ways}; "
+            "only an unfinished run is continued, by running the same command again (it resumes "
+            "from its newest committed snapshot: checkpoint.every_steps=N takes them)")
+    mode = cfg.checkpoint.resume
+    if mode not in ("auto", "never"):  # a named snapshot: resume from it
+        return None
+    if any(s.committed for s in Store(root_of(cfg)).snapshots()):
+        if mode == "auto":
+            return None
+        raise RunDirError(
+            f"run.dir {str(d)!r} already holds an unfinished run with committed snapshots "
+            f"({', '.join(existing)}) and checkpoint.resume=never; pass checkpoint.resume=auto "
+            f"to continue it, or {ways}")
+    return (f"run.dir {d} holds an unfinished run with no committed snapshot (stopped before "
+            "its first one): starting over from step 0")
+
+
+def prepare_run_dir(cfg: TrainConfig, resumed_step: Optional[int]) -> Path:
+    """Global rank 0, once the resume point is known: per-step logs keep the steps up to it (the
+    steps after it run again and are logged again, once); a fresh start (run.overwrite, or a
+    restart before any snapshot) begins them anew; the resolved config is written, redacted."""
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in PER_STEP_LOGS:
+        if resumed_step is not None:
+            trim_jsonl(run_dir / name, resumed_step)
+        else:
+            (run_dir / name).unlink(missing_ok=True)
+    (run_dir / "summary.json").unlink(missing_ok=True)
+    atomic_write_text(run_dir / "config.yaml", cfg.to_yaml(redact=True))
+    return run_dir
+
+
+def trim_jsonl(path: Path, last_step: int) -> None:
+    """Drop the lines of a per-step log beyond `last_step`."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+
+def last_logged_step(run_dir: Path) -> Optional[int]:
+    """The step of metrics.jsonl's last complete line (None: no line yet)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a half-written line
+    return None
+
+
+def stopped_message(cfg: TrainConfig) -> str:
+    """One line for a run stopped by Ctrl-C: the last step it logged, its newest committed
+    snapshot, and what running the same command does next."""
+    from ..redact import redact_url
+    step = last_logged_step(cfg.run_dir)
+    total = f" of {cfg.trainer.max_steps}" if cfg.trainer.max_steps else ""
+    where = f"after step {step}{total} (the last one logged)" if step is not None else \
+        "before the first step was logged"
+    try:
+        snaps = [s for s in Store(root_of(cfg)).snapshots() if s.committed]
+    except Exception:  # an unreachable checkpoint.dir: say what we know
+        snaps = []
+    if snaps:
+        s = snaps[-1]
+        how = ("run the same command to resume from it" if cfg.checkpoint.resume != "never"
+               else "run the same command with checkpoint.resume=auto to resume from it")
+        return (f"{where}; last committed snapshot: {redact_url(s.url)} (step {s.step}); "
+                f"{how}")
+    if not any((cfg.run_dir / f).exists() for f in RUN_FILES):
+        return f"{where}; nothing was written, so the same command starts afresh"
+    return (f"{where}; no snapshot was committed, so the same command starts over from step 0 "
+            "(checkpoint.every_steps=N takes snapshots)")

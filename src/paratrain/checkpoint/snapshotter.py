@@ -1,0 +1,299 @@
+"""Training snapshots of one run: when to save, saving (sharded, in the background by default),
+committing, finding the one to continue from, and restoring it.
+
+Every rank writes its shard of model + optimizer with torch.distributed.checkpoint; rank 0 commits
+once all have written (the layout and the commit rule: store.py). Restoring gives back
+everything the next step depends on (weights, optimizer, LR schedule, gradient scaler, the loop's
+position and loss sums, every rank's RNG), so an interrupted run that resumes is bit-identical to
+one that never stopped. The save policy lives here, in `should_save`, as torchtitan's checkpoint
+manager owns its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..dist import DistEnv
+from ..errors import CheckpointError, ConfigError, ParatrainError
+from ..formatting import first_line
+from ..records.console import log
+from ..redact import redact_secrets, redact_url
+from ..runplan import RunPlan
+from . import store
+from .store import Store
+
+# A one-process run saves with no process group, on purpose; DCP says so once per save, from its
+# background thread too, where a `catch_warnings` block in ours cannot reach (and is not
+# thread-safe). This one message only, process-wide.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a run continues from. `rank` is this rank's own state (loss sums since the last log
+    line); None when the snapshot was written by another world size."""
+    url: str
+    step: int
+    loop: dict
+    rank: Optional[dict]
+    world_size: int
+
+
+class Snapshotter:
+    """Saves and restores one run's training state: model and optimizer (sharded, DCP), LR
+    scheduler, gradient scaler, the loop's position, every rank's RNG state, the config.
+
+    Collective: every rank constructs it and calls resume(), save() and wait() at the same
+    points. Only global rank 0 commits, prunes and deletes.
+    """
+
+    def __init__(self, plan: RunPlan, env: DistEnv, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, *,
+                 model_info: dict, tokenizer_path: Optional[Path] = None):
+        cfg = plan.cfg
+        ck = cfg.checkpoint
+        self.plan, self.cfg, self.env = plan, cfg, env
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        # what a marker says about the run that wrote it (inspect shows it; resume checks the batch)
+        self.info = {"strategy": plan.parallelism.name, "precision": plan.precision,
+                     "model": model_info, "global_batch": plan.global_batch,
+                     "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps}
+        self.tokenizer_path = tokenizer_path
+        self.store = Store(store.root_of(cfg))
+        self.every, self.keep_last, self.async_save = ck.every_steps, ck.keep_last, ck.async_save
+        self.at_epoch_end = ck.at_epoch_end
+        self.stalls: list[float] = []  # seconds the loop waited, per snapshot
+        self._pending: Optional[Future] = None
+        self._pg = None
+        if env.distributed and (self.every or self.at_epoch_end) and self.async_save:
+            import torch.distributed as dist
+            # A background save runs DCP's collectives while the loop runs its own; on a group of
+            # their own the two never interleave on one communicator.
+            self._pg = dist.new_group(backend="gloo")
+
+    def should_save(self, step: int) -> bool:
+        """After optimizer step `step`: every `checkpoint.every_steps` steps, and at each epoch
+        end with `checkpoint.at_epoch_end`; never after the last step (the run then writes
+        model/)."""
+        plan = self.plan
+        return step < plan.total_steps and (
+            self.every > 0 and step % self.every == 0
+            or self.at_epoch_end and step % plan.steps_per_epoch == 0)
+
+    # ---- save ----------------------------------------------------------------------------
+    def save(self, step: int, rank: dict, blocking: bool = False) -> None:
+        """Snapshot after optimizer step `step`. `rank` is this rank's own (small, JSON) state:
+        its loss sums since the last log line. Returns once the state is staged (async) or
+        written and committed (sync, or `blocking`: a stop signal's last snapshot); the time it
+        took is the loop's stall."""
+        import torch.distributed.checkpoint as dcp
+        t0 = time.perf_counter()
+        self.wait()  # one save at a time: the previous one is committed before the next starts
+        ranks = self.env.gather_objects({**rank, **_rng_state(self.env.device)})
+        url = self.store.url(step)
+        marker = None
+        if self.env.is_master:
+            marker = {"step": step, "epoch": step // self.plan.steps_per_epoch, **self.info,
+                      "world_size": self.env.world_size, "nnodes": self.env.nnodes,
+                      "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                      "scheduler": self.scheduler.state_dict(),
+                      "scaler": self.scaler.state_dict() if self.scaler else None,
+                      "ranks": ranks, "config": redact_secrets(self.cfg.to_dict())}
+        state = self._state_dicts()
+        kw = dict(checkpoint_id=url, process_group=self._pg, no_dist=not self.env.distributed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP's "assuming a single process"
+            if self.async_save and not blocking:
+                self._pending = self._then_commit(dcp.async_save(state, **kw), url, marker)
+            else:
+                dcp.save(state, **kw)
+                if marker is not None:
+                    self._commit(url, marker)
+        self.stalls.append(time.perf_counter() - t0)
+
+    def _then_commit(self, saved: Future, url: str, marker: Optional[dict]) -> Future:
+        """A future that completes once the snapshot is committed, not just written: waiting on
+        DCP's own future could return before its callbacks (our commit) have run."""
+        done: Future = Future()
+
+        def finish(f: Future) -> None:
+            try:
+                f.result()
+                if marker is not None:
+                    self._commit(url, marker)
+                done.set_result(url)
+            except BaseException as e:  # surfaces in wait(), in the training thread
+                done.set_exception(e)
+        saved.add_done_callback(finish)
+        return done
+
+    def _commit(self, url: str, marker: dict) -> None:
+        """Rank 0, after DCP finished on every rank: marker last, then (and only then) prune."""
+        self.store.commit(url, marker, self.tokenizer_path)
+        gone = self.store.prune(self.keep_last)
+        log(self.env, f"snapshot {redact_url(url)} committed"
+                      + (f"; removed {len(gone)} older" if gone else ""))
+
+    def wait(self) -> None:
+        """Block until the snapshot in flight (if any) is committed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+        try:
+            pending.result()
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"writing a snapshot under {redact_url(self.store.root)!r} "
+                                  f"failed: {first_line(e)}") from e
+
+    def report(self) -> dict:
+        n = len(self.stalls)
+        return {"count": n, "async": self.async_save, "stall_s": sum(self.stalls),
+                "mean_stall_s": sum(self.stalls) / n if n else None}
+
+    def _state_dicts(self) -> dict:
+        """Model and optimizer as DCP sees them: FQNs without wrapper prefixes, shards as
+        DTensors under FSDP, so any strategy and world size can load them. Frozen parameters
+        (LoRA's base) never change and are rebuilt from model.path on resume, so they are left
+        out: a snapshot holds what training changes."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                            options=self._state_options())
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _state_options(self) -> Any:
+        """Trainable parameters only (and buffers) when some are frozen; then loading is not
+        strict, since the frozen ones are absent by design."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+    # ---- resume --------------------------------------------------------------------------
+    def resume(self) -> Optional[Resumed]:
+        """Per `checkpoint.resume`: load the newest usable snapshot (auto), a named one (PATH),
+        or none (never). A restarted worker group (env.attempt > 0) always continues from this
+        run's newest snapshot. Snapshot folders beyond the resume point belong to the future
+        that was lost: rank 0 deletes them, so the steps they named can be saved again."""
+        env = self.env
+        plan: dict = {}
+        if env.is_master:
+            try:
+                plan = {"candidates": self._candidates()}
+            except Exception as e:  # told to every rank, or they would wait for rank 0 in vain
+                kind = type(e).__name__ if isinstance(e, ParatrainError) else "CheckpointError"
+                plan = {"error": (kind, str(e) if isinstance(e, ParatrainError) else
+                                  f"cannot read snapshots under {redact_url(self.store.root)!r}: "
+                                  f"{type(e).__name__}: {e}")}
+        plan = env.broadcast_object(plan)
+        if "error" in plan:
+            kind, msg = plan["error"]
+            raise {"ConfigError": ConfigError}.get(kind, CheckpointError)(msg)
+        from torch.distributed.checkpoint.api import CheckpointException
+        resumed = None
+        failures = []
+        for url, marker in plan["candidates"]:
+            if marker.get("global_batch") != self.info["global_batch"]:
+                raise ConfigError(
+                    f"snapshot {redact_url(url)} was trained with a global batch of "
+                    f"{marker.get('global_batch')} sequences, this run has "
+                    f"{self.info['global_batch']}; set trainer.global_batch_size="
+                    f"{marker.get('global_batch')} to continue it exactly")
+            try:
+                self._load(url, marker)
+            except (Exception, CheckpointException) as e:  # raised on every rank alike: DCP
+                # gathers the errors of all ranks (CheckpointException is a BaseException)
+                failures.append(url)
+                log(env, f"warning: skipping snapshot {redact_url(url)}: it cannot be loaded "
+                         f"({first_line(e)[:300]})")
+                continue
+            same_world = marker["world_size"] == env.world_size
+            resumed = Resumed(url, int(marker["step"]), marker,
+                              marker["ranks"][env.rank] if same_world else None,
+                              int(marker["world_size"]))
+            break
+        if failures and resumed is None:
+            raise CheckpointError(f"no snapshot could be loaded (tried {len(failures)}, newest "
+                                  f"{redact_url(failures[0])}); remove the damaged ones or pass "
+                                  "checkpoint.resume=never with another run.dir")
+        if env.is_master:
+            after = resumed.step if resumed else -1
+            for s in self.store.snapshots():
+                if s.step > after:
+                    log(env, f"removing snapshot folder {redact_url(s.url)} (beyond the resume "
+                             "point)")
+                    self.store.remove(s.url)
+        env.barrier()
+        return resumed
+
+    def _candidates(self) -> list[tuple[str, dict]]:
+        """Rank 0: the snapshots to try, newest first."""
+        mode, attempt = self.cfg.checkpoint.resume, self.env.attempt
+        warn = lambda m: log(self.env, f"warning: {m}")  # noqa: E731
+        if attempt == 0 and mode in ("auto", "never"):
+            snaps = self.store.snapshots()
+            if snaps and self.cfg.run.overwrite:  # replacing a run replaces its snapshots
+                log(self.env, f"run.overwrite: removing {len(snaps)} snapshot folder(s) under "
+                              f"{redact_url(self.store.root)}")
+                for s in snaps:
+                    self.store.remove(s.url)
+                return []
+            if mode == "never":
+                if snaps:
+                    raise CheckpointError(
+                        f"checkpoint.dir {redact_url(self.store.root)!r} already holds snapshots (up "
+                        f"to step {snaps[-1].step}); pass checkpoint.resume=auto to continue "
+                        "from them, or run.overwrite=true to replace them")
+                return []
+        found = [(s.url, m) for s, m in self.store.usable(warn)]
+        if mode in ("auto", "never"):
+            return found
+        named_store, step = store.split(mode)
+        why = named_store.problem(named_store.url(step)) if step is not None else \
+            "it is not a snapshot folder (step-NNNNNNN)"
+        if why:
+            raise CheckpointError(f"checkpoint.resume={redact_url(mode)!r} cannot be used: {why}")
+        named = (named_store.url(step), named_store.marker(named_store.url(step)))
+        return (found if attempt > 0 else []) + [named]  # type: ignore[list-item]
+
+    def _load(self, url: str, marker: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        state = self._state_dicts()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=url, planner=store.SafeLoadPlanner(),
+                     process_group=self._pg, no_dist=not self.env.distributed)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=self._state_options())
+        self.scheduler.load_state_dict(marker["scheduler"])
+        if self.scaler is not None and marker.get("scaler"):
+            self.scaler.load_state_dict(marker["scaler"])
+        if marker["world_size"] == self.env.world_size:  # dropout continues where it was
+            _set_rng_state(marker["ranks"][self.env.rank], self.env.device)
+
+
+def _rng_state(device: torch.device) -> dict:
+    out = {"rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if device.type == "cuda":
+        out["cuda_rng"] = base64.b64encode(
+            torch.cuda.get_rng_state(device).numpy().tobytes()).decode()
+    return out
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    def tensor(b64: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
+    torch.set_rng_state(tensor(state["rng"]))
+    if device.type == "cuda" and state.get("cuda_rng"):
+        torch.cuda.set_rng_state(tensor(state["cuda_rng"]), device)

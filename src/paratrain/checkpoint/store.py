@@ -1,0 +1,351 @@
+"""Snapshots on storage: `step-NNNNNNN/` folders of torch.distributed.checkpoint (DCP) files and a
+commit marker, under a local path or any fsspec URL (`s3://bucket/prefix`, `gs://...`).
+
+One snapshot:
+    step-0000120/
+      __0_0.distcp, __1_0.distcp ...  each rank's shard of model + optimizer, written by that rank
+      .metadata                       DCP's index, written by rank 0 once every rank has written
+      tokenizer.json                  so that `paratrain checkpoint export` gives a usable model
+                                      (a pretrained tokenizer: all its files)
+      committed.json                  the commit marker, written last (see below)
+
+Why a marker rather than a rename: object stores cannot rename a folder atomically, and one rule
+for every filesystem is easier to trust. Rank 0 writes the marker after DCP has finished on every
+rank (DCP's finish step, which writes `.metadata`, gathers every rank's write result first). A
+folder without a readable marker is not a snapshot: readers skip it. The marker holds the size
+of every other file, so a truncated file is caught before DCP reads it, and the small trainer
+state (step, sampler position, scheduler, RNG of every rank, resolved config) as JSON, so that
+our own state never goes through pickle.
+
+This module knows the layout and the storage, and is what `paratrain checkpoint inspect|export`
+use; snapshotter.py saves and restores a training run through it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from ..config import TrainConfig
+from ..data.tokenizer import TOKENIZER_FILE, TOKENIZER_FILES, tokenizer_files
+from ..errors import CheckpointError
+from ..fileio import atomic_write_path, atomic_write_text
+from ..redact import redact_url
+
+MARKER = "committed.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"step-(\d{7,})")
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def root_of(cfg: TrainConfig) -> str:
+    """`checkpoint.dir`, or `<run.dir>/checkpoints`."""
+    return cfg.checkpoint.dir or str(cfg.run_dir / "checkpoints")
+
+
+def is_url(path: str) -> bool:
+    return "://" in str(path)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    url: str  # the folder, as DCP's checkpoint_id
+    step: int
+    committed: bool
+
+
+class Store:
+    """The folder that holds the snapshots of one run, through fsspec (a local path too)."""
+
+    def __init__(self, root: str):
+        from fsspec.core import url_to_fs
+        self.root = str(root).rstrip("/") or "/"
+        try:
+            self.fs, self.path = url_to_fs(self.root)
+        except (ImportError, ValueError) as e:  # e.g. s3:// without s3fs installed
+            raise CheckpointError(f"checkpoint.dir={redact_url(self.root)!r} cannot be opened: "
+                                  f"{e}; for s3:// install paratrain[s3]") from None
+        protocol = self.fs.protocol
+        self.local = "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
+
+    def url(self, step: int) -> str:
+        return f"{self.root}/{step_dir(step)}"
+
+    def path_of(self, url: str) -> str:
+        """`url` as this store's filesystem names it (no protocol)."""
+        return self.fs._strip_protocol(url)
+
+    def get_file(self, url: str, name: str, dest: Path) -> bool:
+        """Copy file `name` of snapshot `url` to a local path; False when it has none."""
+        try:
+            self.fs.get_file(f"{self.path_of(url)}/{name}", str(dest))
+            return True
+        except FileNotFoundError:
+            return False
+
+    # ---- reading -------------------------------------------------------------------------
+    def snapshots(self) -> list[Snapshot]:
+        """Every `step-N` folder, oldest first, committed or not."""
+        self.fs.invalidate_cache(self.path)
+        try:
+            entries = self.fs.ls(self.path, detail=True)
+        except FileNotFoundError:
+            return []
+        out = []
+        for e in entries:
+            name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+            m = _STEP_DIR.fullmatch(name)
+            if m and e.get("type") == "directory":
+                url = f"{self.root}/{name}"
+                out.append(Snapshot(url, int(m.group(1)),
+                                    self.fs.exists(f"{self.path_of(url)}/{MARKER}")))
+        return sorted(out, key=lambda s: s.step)
+
+    def marker(self, url: str) -> Optional[dict]:
+        """The commit marker's content, or None when the snapshot is not committed."""
+        try:
+            d = json.loads(self.fs.cat_file(f"{self.path_of(url)}/{MARKER}"))
+        except (FileNotFoundError, ValueError):
+            return None
+        return d if isinstance(d, dict) and d.get("format") == FORMAT_VERSION else None
+
+    def file_sizes(self, url: str) -> dict[str, int]:
+        base = self.path_of(url).rstrip("/") + "/"
+        self.fs.invalidate_cache(self.path_of(url))
+        found = self.fs.find(self.path_of(url), detail=True)
+        return {k[len(base):]: int(v["size"]) for k, v in found.items()
+                if k.startswith(base) and not k.endswith(MARKER)}
+
+    def problem(self, url: str) -> Optional[str]:
+        """Why this snapshot cannot be used (None: it is committed and complete)."""
+        marker = self.marker(url)
+        if marker is None:
+            return "it is not committed (no readable commit marker)"
+        have = self.file_sizes(url)
+        for name, size in marker.get("files", {}).items():
+            if name not in have:
+                return f"{name} is missing"
+            if have[name] != size:
+                return f"{name} has {have[name]} bytes, {size} were written"
+        if ".metadata" not in marker.get("files", {}):
+            return "it has no DCP .metadata"
+        return None
+
+    def usable(self, warn: Callable[[str], None] = warnings.warn
+               ) -> Iterator[tuple[Snapshot, dict]]:
+        """Committed, complete snapshots, newest first; a committed one that is damaged is
+        reported through `warn`, naming it and why it was skipped."""
+        for snap in reversed(self.snapshots()):
+            if not snap.committed:
+                continue  # being written, or its writer died: not a snapshot (yet)
+            why = self.problem(snap.url)
+            if why:
+                warn(f"skipping snapshot {redact_url(snap.url)}: {why}")
+                continue
+            yield snap, self.marker(snap.url)  # type: ignore[misc]
+
+    # ---- writing (global rank 0 only) ----------------------------------------------------
+    def commit(self, url: str, marker: dict, tokenizer_path: Optional[Path] = None) -> None:
+        """Write the commit marker, last; before it, nothing in `url` counts."""
+        p = self.path_of(url)
+        if tokenizer_path is not None and Path(tokenizer_path).is_file():
+            for name, f in tokenizer_files(tokenizer_path).items():
+                self.fs.put_file(str(f), f"{p}/{name}")
+        marker = {"format": FORMAT_VERSION, **marker, "files": self.file_sizes(url)}
+        data = json.dumps(marker, indent=1)
+        if self.local:
+            atomic_write_text(Path(p) / MARKER, data)
+        else:  # one PUT: an object appears whole or not at all
+            self.fs.pipe_file(f"{p}/{MARKER}", data.encode())
+
+    def remove(self, url: str) -> None:
+        try:
+            self.fs.rm(self.path_of(url), recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(self.path)
+
+    def prune(self, keep_last: int) -> list[str]:
+        """Delete all but the newest `keep_last` committed snapshots, and unfinished folders
+        older than the newest committed one. Called only right after a commit."""
+        snaps = self.snapshots()
+        committed = [s for s in snaps if s.committed]
+        if not committed:
+            return []
+        keep = {s.url for s in committed[-keep_last:]}
+        newest = committed[-1].step
+        gone = [s.url for s in snaps if s.url not in keep and s.step < newest]
+        for url in gone:
+            self.remove(url)
+        return gone
+
+
+# ---- loading without unpickling ----------------------------------------------------------------
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner reads non-tensor values (optimizer hyper-parameters) with
+    `torch.load(weights_only=False)`, i.e. arbitrary unpickling. Ours allows only what torch's
+    weights-only unpickler allows: numbers, strings, tuples, tensors."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _reader(url: str) -> Any:
+    if is_url(url):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return FsspecReader(url)
+    from torch.distributed.checkpoint import FileSystemReader
+    return FileSystemReader(url)
+
+
+def split(path: str) -> tuple[Store, Optional[int]]:
+    """A snapshot folder -> (its store, its step); any other folder -> (a store there, None)."""
+    path = str(path).rstrip("/")
+    parent, _, name = path.rpartition("/")
+    m = _STEP_DIR.fullmatch(name)
+    if m:
+        return Store(parent or "/"), int(m.group(1))
+    return Store(path), None
+
+
+def describe(path: str) -> dict:
+    """What `paratrain checkpoint inspect` prints for one snapshot folder. DCP's index (a
+    pickle) is read only from a committed, complete snapshot."""
+    store, step = split(path)
+    if step is None:
+        raise CheckpointError(f"{redact_url(path)!r} is not a snapshot folder (step-NNNNNNN)")
+    url = store.url(step)
+    if not store.fs.exists(store.path_of(url)):
+        raise CheckpointError(f"snapshot {redact_url(url)!r} does not exist")
+    why = store.problem(url)
+    out: dict = {"path": redact_url(url), "step": step, "committed": store.marker(url) is not None,
+                 "usable": why is None, "problem": why, "files": store.file_sizes(url)}
+    marker = store.marker(url)
+    if marker:
+        out.update({k: marker.get(k) for k in ("world_size", "strategy", "precision", "epoch",
+                                               "global_batch", "total_steps", "created")})
+    if why is None:
+        meta = _reader(url).read_metadata()
+        tensors = []
+        for fqn, md in sorted(meta.state_dict_metadata.items()):
+            if hasattr(md, "size"):  # a tensor; otherwise a small value (BytesStorageMetadata)
+                dtype = md.properties.dtype
+                numel = int(torch.Size(md.size).numel())
+                tensors.append({"name": fqn, "shape": list(md.size), "dtype": str(dtype),
+                                "bytes": numel * torch.empty((), dtype=dtype).element_size()})
+        out["tensors"] = tensors
+    return out
+
+
+def load_model_weights(path: str, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fill a plain model's state dict from a committed snapshot, in this one process (DCP
+    reshards whatever world size wrote it)."""
+    import torch.distributed.checkpoint as dcp
+    store, step = split(path)
+    if step is None:
+        raise CheckpointError(f"{redact_url(path)!r} is not a snapshot folder (step-NNNNNNN)")
+    why = store.problem(store.url(step))
+    if why:
+        raise CheckpointError(f"snapshot {redact_url(path)!r} cannot be used: {why}")
+    state = {"model": template}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+        dcp.load(state, checkpoint_id=store.url(step), planner=SafeLoadPlanner(), no_dist=True)
+    return state["model"]
+
+
+def resolve(path: str) -> str:
+    """A snapshot folder as given, or the newest usable snapshot under a checkpoints folder or
+    a run dir (its checkpoints/)."""
+    store, step = split(path)
+    if step is not None:
+        return store.url(step)
+    for root in (str(path).rstrip("/"), str(path).rstrip("/") + "/checkpoints"):
+        found = next(Store(root).usable(), None)
+        if found is not None:
+            return found[0].url
+    raise CheckpointError(f"{redact_url(path)!r} holds no committed snapshot (a step-NNNNNNN folder "
+                          f"with {MARKER}); pass a snapshot folder, a checkpoints folder or a "
+                          "run dir")
+
+
+def listing(path: str) -> list[dict]:
+    """Every snapshot folder under a checkpoints folder or a run dir, oldest first."""
+    for root in (str(path).rstrip("/"), str(path).rstrip("/") + "/checkpoints"):
+        store = Store(root)
+        snaps = store.snapshots()
+        if snaps:
+            return [{"path": redact_url(s.url), "step": s.step, "committed": s.committed,
+                     "problem": store.problem(s.url), "bytes": sum(store.file_sizes(s.url).values())}
+                    for s in snaps]
+    raise CheckpointError(f"{redact_url(path)!r} holds no snapshot folders (step-NNNNNNN)")
+
+
+def format_description(d: dict) -> str:
+    state = "committed" if d["committed"] else "NOT committed"
+    lines = [f"snapshot {d['path']}",
+             f"  step {d['step']}, {state}" + ("" if d["usable"] else f", unusable: {d['problem']}")]
+    if d.get("world_size") is not None:
+        lines.append(f"  saved by {d['world_size']} worker(s), strategy {d.get('strategy')}, "
+                     f"precision {d.get('precision')}, global batch {d.get('global_batch')}, "
+                     f"created {d.get('created')}")
+    lines.append(f"  files: {len(d['files'])}, {sum(d['files'].values()):,} bytes")
+    tensors = d.get("tensors")
+    if tensors:
+        total = sum(t["bytes"] for t in tensors)
+        lines.append(f"  tensors: {len(tensors)}, {total:,} bytes")
+        width = max(len(t["name"]) for t in tensors)
+        for t in tensors:
+            shape = "x".join(str(n) for n in t["shape"]) or "scalar"
+            lines.append(f"    {t['name']:<{width}}  {shape:>12}  {t['dtype']:<14} "
+                         f"{t['bytes']:>12,}")
+    return "\n".join(lines)
+
+
+def export_snapshot(path: str, out: str | Path) -> Path:
+    """The model weights of a sharded snapshot as one file. OUT ending in .safetensors: that file
+    alone; otherwise a model folder (weights, config.json, tokenizer.json) that `paratrain
+    generate` and `load_model` read."""
+    from safetensors.torch import save_file
+
+    from ..models import ModelArgs, build_model
+    from ..models.files import drop_tied, save_model
+    from ..parallel import precision
+    url = resolve(path)
+    store, _ = split(url)
+    marker = store.marker(url)
+    if marker is None:
+        raise CheckpointError(f"snapshot {redact_url(url)!r} is not committed; nothing to export")
+    args = ModelArgs.from_dict(marker["model"])
+    model = precision.prepare_model(build_model(args), marker.get("precision") or "fp32")
+    weights = load_model_weights(url, model.state_dict())
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        tensors = {k: v.contiguous() for k, v in weights.items()}
+        with atomic_write_path(out) as tmp_file:
+            save_file(drop_tied(tensors) if args.tie_embeddings else tensors, str(tmp_file),
+                      metadata={"format": "pt", "producer": "paratrain",
+                                "step": str(marker["step"])})
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        found = {name for name in TOKENIZER_FILES
+                 if store.get_file(url, name, Path(tmp) / name)}
+        return save_model(out, weights, args.to_dict(),
+                          Path(tmp) / TOKENIZER_FILE if TOKENIZER_FILE in found else None)

@@ -1,0 +1,1 @@
+"""How a model is spread: the parallelism objects, the memory plan, memory accounting, precision."""

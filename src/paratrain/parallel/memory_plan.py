@@ -1,0 +1,209 @@
+"""Memory per device before anything runs: what each strategy would hold, and what `auto` picks.
+
+State (parameters, gradients, AdamW moments) is counted exactly from the parameter shapes of the
+model built on the meta device, sharded the way FSDP2 shards (dim 0, split evenly, the first ranks
+taking the remainder). Activations are measured, not guessed: one forward of a single sample on the
+CPU counts the bytes autograd saves for backward (the same meter the training loop uses), times
+the micro-batch. That keeps the plan right for any architecture, ours or a user's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+from torch import nn
+
+from ..formatting import human_bytes
+from .memory import SavedTensorMeter
+from .strategies import DDP, FSDP, HSDP, Parallelism
+
+PARAM_BYTES = {"fp32": 4, "bf16-mixed": 4, "fp16-mixed": 4, "bf16-true": 2}
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.bfloat16, "bf16-true": None}
+MARGIN = 0.8  # plan to use at most this fraction of a device
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One row of the plan: a parallelism (and whether blocks are recomputed) and its bytes on
+    rank 0, the fullest."""
+    parallelism: Parallelism
+    activation_checkpointing: bool
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    device_bytes: int  # what must fit on the device at the peak of a step
+    frozen_bytes: int = 0  # models a task runs but does not train (parameters only)
+
+    @property
+    def label(self) -> str:
+        return candidate_label(self.parallelism, self.activation_checkpointing)
+
+    @property
+    def state_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.label, "params_bytes": self.params_bytes,
+                "grads_bytes": self.grads_bytes, "optimizer_bytes": self.optimizer_bytes,
+                "activation_bytes": self.activation_bytes, "device_bytes": self.device_bytes,
+                "state_bytes": self.state_bytes, "frozen_bytes": self.frozen_bytes}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `auto` picked from the plan, and why (logged and in summary.json)."""
+    parallelism: Parallelism
+    activation_checkpointing: bool
+    why: str
+
+    @property
+    def label(self) -> str:
+        return candidate_label(self.parallelism, self.activation_checkpointing)
+
+
+def candidate_label(parallelism: Parallelism, activation_checkpointing: bool) -> str:
+    """ddp, fsdp, fsdp+ac, fsdp+offload (offloading implies recomputing)."""
+    recompute = activation_checkpointing and not parallelism.offloads_to_host
+    return parallelism.label + ("+ac" if recompute else "")
+
+
+def state_bytes(params: List[torch.Size], parallelism: Parallelism, world: int,
+                precision: str) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes on rank 0. AdamW keeps two moments per element in the
+    parameter's dtype plus a 4-byte step counter per tensor."""
+    width = PARAM_BYTES[precision]
+    numel = sum(parallelism.state_numel(s, world) for s in params)
+    return numel * width, numel * width, 2 * numel * width + 4 * len(params)
+
+
+def activation_bytes_per_sample(factory: Callable[[], nn.Module], seq_length: int,
+                                vocab_size: int, precision: str, checkpointing: bool) -> int:
+    """Bytes saved for backward by one sample's forward (and loss), measured on the CPU."""
+    from .strategies import apply_activation_checkpointing
+    torch.manual_seed(0)
+    model = factory()
+    if precision == "bf16-true":
+        model.to(torch.bfloat16)
+    if checkpointing:
+        apply_activation_checkpointing(model)
+    idx = torch.randint(0, vocab_size, (1, seq_length))  # (1, T)
+    dtype = AUTOCAST.get(precision)
+    amp = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    with SavedTensorMeter(model) as meter, amp:
+        logits = model(idx)  # (1, T, V)
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
+    return meter.bytes
+
+
+def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, micro_batch: int,
+             seq_length: int, vocab_size: int, reshard_after_forward: bool = True,
+             shard_group_size: Optional[int] = None,
+             frozen_factory: Optional[Callable[[], dict[str, nn.Module]]] = None
+             ) -> List[Estimate]:
+    """Every candidate's bytes per device at this world size (rank 0, the fullest), in order of
+    speed: replicate, shard within a node and replicate across nodes (hsdp, when
+    `shard_group_size`, the processes of one node or the override, is more than one and less
+    than the world), shard over all, shard and recompute, shard and offload. `frozen_factory`:
+    the models a task runs without training them, held (and sharded) like the trained one's
+    parameters, with no gradients or optimizer state."""
+    with torch.device("meta"):
+        meta = factory()
+        frozen = [p.shape for m in (frozen_factory() if frozen_factory else {}).values()
+                  for p in m.parameters()]
+    shapes = [p.shape for p in meta.parameters()]
+    blocks = getattr(meta, "layers", None)
+    biggest_block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) \
+        if isinstance(blocks, nn.ModuleList) else 0
+    act = micro_batch * activation_bytes_per_sample(factory, seq_length, vocab_size, precision,
+                                                    checkpointing=False)
+    act_ac = micro_batch * activation_bytes_per_sample(factory, seq_length, vocab_size,
+                                                       precision, checkpointing=True)
+    gathered = 2 * biggest_block * PARAM_BYTES[precision]  # FSDP: this block's and the next's
+
+    def row(parallelism: Parallelism, checkpointing: bool, activations: int,
+            on_device: bool = True) -> Estimate:
+        parts = state_bytes(shapes, parallelism, world, precision)
+        held = sum(parallelism.state_numel(s, world) for s in frozen) * PARAM_BYTES[precision]
+        peak = activations + (gathered if parallelism.sharded else 0) + (
+            sum(parts) + held if on_device else 0)
+        return Estimate(parallelism, checkpointing, *parts, activations, peak, held)
+
+    rows = [row(Parallelism() if world == 1 else DDP(), False, act)]
+    group = shard_group_size or world
+    if 1 < group < world and world % group == 0:
+        rows.append(row(HSDP(reshard_after_forward=reshard_after_forward,
+                             shard_group_size=group), False, act))
+    if world > 1:
+        fsdp = FSDP(reshard_after_forward=reshard_after_forward)
+        rows.append(row(fsdp, False, act))
+        rows.append(row(fsdp, True, act_ac))
+        rows.append(row(FSDP(cpu_offload=True, reshard_after_forward=reshard_after_forward),
+                        True, act_ac, on_device=False))
+    return rows
+
+
+def choose(rows: List[Estimate], capacity: int) -> Choice:
+    """The first candidate, in order of speed, whose peak fits in MARGIN of the device."""
+    budget = int(capacity * MARGIN)
+    for r in rows:
+        if r.device_bytes <= budget:
+            return Choice(r.parallelism, r.activation_checkpointing,
+                          f"auto: {r.label} needs {human_bytes(r.device_bytes)} of "
+                          f"{human_bytes(capacity)} per device")
+    last = rows[-1]
+    return Choice(last.parallelism, last.activation_checkpointing,
+                  f"auto: nothing fits in {human_bytes(capacity)} per device (smallest: "
+                  f"{last.label} at {human_bytes(last.device_bytes)}); trying {last.label}")
+
+
+def device_capacity(device: torch.device, local_workers: int) -> int:
+    """GPU memory of the device; on CPU, the available RAM shared by this node's workers."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        avail = int(info["MemAvailable"].strip().split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        avail = 8 * 2**30
+    return avail // max(1, local_workers)
+
+
+def format_plan(rows: List[Estimate], capacity: int, pick: Choice) -> str:
+    head = (f"{'strategy':<14}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}"
+            f"{'per device':>12}  fits")
+    lines = [head]
+    for r in rows:
+        fits = "yes" if r.device_bytes <= capacity * MARGIN else "no"
+        lines.append(f"{r.label:<14}{human_bytes(r.params_bytes):>10}"
+                     f"{human_bytes(r.grads_bytes):>10}{human_bytes(r.optimizer_bytes):>11}"
+                     f"{human_bytes(r.activation_bytes):>13}{human_bytes(r.device_bytes):>12}"
+                     f"  {fits}")
+    lines.append(f"device capacity {human_bytes(capacity)} (planning to {int(MARGIN * 100)}%); "
+                 f"auto picks {pick.label} ({pick.why})")
+    return "\n".join(lines)
+
+
+def plan_for_config(cfg, world: Optional[int] = None, device: Optional[torch.device] = None,
+                    local_workers: Optional[int] = None) -> tuple[List[Estimate], int, Choice]:
+    """(rows, capacity, pick) for a TrainConfig's own model: what `paratrain plan` prints."""
+    from ..launch.environment import parse_devices
+    from ..models import build_model, resolve_model_config
+    from .strategies import shard_group
+    devices = parse_devices(cfg.trainer.devices)
+    world = world or len(devices) * cfg.distributed.max_nodes
+    vocab = cfg.model.vocab_size or cfg.data.vocab_size
+    args = resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
+    local = local_workers or len(devices)
+    override = cfg.trainer.shard_group_size  # a bad one is the error `train` would give
+    group = shard_group(world, local, override) if override is not None else local
+    rows = estimate(lambda: build_model(args), world=world, precision=cfg.trainer.precision,
+                    micro_batch=cfg.trainer.batch_size, seq_length=cfg.data.seq_length,
+                    vocab_size=vocab, reshard_after_forward=cfg.trainer.reshard_after_forward,
+                    shard_group_size=group)
+    capacity = device_capacity(device or devices[0], local)
+    return rows, capacity, choose(rows, capacity)

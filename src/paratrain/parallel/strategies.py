@@ -1,0 +1,369 @@
+"""How a model is spread over devices: one object per way, chosen once (`resolve_parallelism`) and
+then asked, never compared as a string again.
+
+A parallelism knows how to wrap a model, how to skip gradient sync on the accumulation micro-steps
+before the last one (Fabric's per-strategy backward-sync control), which autocast and gradient
+scaler it needs, and what share of the parameters, gradients and optimizer state one rank holds
+(the memory plan and `bench` count with it). Adding one is one class here, plus its device mesh
+(HSDP is FSDP on a 2-D mesh). Activation checkpointing and compile are applied before the wrapper, in that order,
+as torchtitan's `parallelize` composes them (`parallelize` below).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, ContextManager, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..dist import DistEnv
+from ..errors import ConfigError
+from .precision import mixed_dtype
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """One process holds the whole model and computes on one device: `single`."""
+    name: ClassVar[str] = "single"
+    sharded: ClassVar[bool] = False  # parameters, gradients and optimizer state split by rank
+
+    def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
+             units: Sequence[nn.Module]) -> nn.Module:
+        """The model, wrapped for this parallelism (`units`: the blocks a sharding wraps)."""
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside the wrapper."""
+        return model
+
+    def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
+                    units: Sequence[nn.Module]) -> nn.Module:
+        """A model run but never trained (a reference, a teacher): it has no gradients to sync,
+        so replicating strategies keep a plain copy per rank; sharding ones shard it too."""
+        return model
+
+    def full_state_dict(self, model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
+        """Full, unsharded CPU tensors on global rank 0 (an empty dict on the other ranks):
+        what the final model/ and the best-so-far copy are written from. Collective: every rank
+        must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        if not env.distributed:
+            return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                  cpu_offload=True))
+        return sd if env.is_master else {}
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        """Accumulate gradients locally (no all-reduce / reduce-scatter) in this context."""
+        return contextlib.nullcontext()
+
+    def autocast(self, precision: str, device: torch.device) -> ContextManager:
+        dtype = mixed_dtype(precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=dtype)
+
+    def grad_scaler(self, precision: str, device: torch.device) -> Optional[Any]:
+        """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none."""
+        return torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
+
+    @property
+    def offloads_to_host(self) -> bool:
+        """Whether the state lives in host RAM (the model is then not moved to the device)."""
+        return False
+
+    def replicas_per_process(self, devices: int) -> int:
+        """Devices one process computes on (nn.DataParallel splits its batch over all)."""
+        return 1
+
+    def state_numel(self, shape: torch.Size, world: int, rank: int = 0) -> int:
+        """Elements of a parameter of this shape that `rank` holds (and grads, optimizer)."""
+        return math.prod(shape)
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class DataParallel(Parallelism):
+    """nn.DataParallel over every visible GPU from one process, master copy on the first: kept to
+    reproduce the classic DataParallel-vs-DDP comparison, not for real use."""
+    name: ClassVar[str] = "dp"
+
+    def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
+             units: Sequence[nn.Module]) -> nn.Module:
+        return nn.DataParallel(model, device_ids=list(range(torch.cuda.device_count())),
+                               output_device=env.device)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, nn.DataParallel) else model
+
+    def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
+                    units: Sequence[nn.Module]) -> nn.Module:
+        return self.wrap(model, env, precision=precision, units=units)  # its batch is split too
+
+    def replicas_per_process(self, devices: int) -> int:
+        return devices
+
+
+@dataclass(frozen=True)
+class DDP(Parallelism):
+    """A full replica per rank; gradients all-reduced in buckets during backward."""
+    name: ClassVar[str] = "ddp"
+
+    def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
+             units: Sequence[nn.Module]) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+        # Our only buffers are constants (RoPE tables): broadcasting them every step is pure
+        # cost, and a broadcast inside forward would deadlock evaluation on uneven shards.
+        params = inspect.signature(DistributedDataParallel).parameters
+        no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
+                          else {"broadcast_buffers": False})  # torch < 2.12
+        return DistributedDataParallel(
+            model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            gradient_as_bucket_view=True, **no_buffer_sync)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "module", model)
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        return model.no_sync()  # type: ignore[operator]
+
+
+@dataclass(frozen=True)
+class FSDP(Parallelism):
+    """FSDP2: each block (or each `units` module), then the root, sharded over all ranks.
+
+    Sharding per block is what bounds memory: only one block's full parameters exist at a time in
+    forward and backward. Mixed precision is FSDP's own policy (parameters all-gathered in half
+    precision, gradients reduced in fp32 so the sum over ranks keeps its precision), not
+    autocast."""
+    name: ClassVar[str] = "fsdp"
+    sharded: ClassVar[bool] = True
+    cpu_offload: bool = False  # parameters, gradients and optimizer state live in host RAM
+    reshard_after_forward: bool = True  # free full parameters after forward (less memory)
+
+    def mesh(self, env: DistEnv) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+        return init_device_mesh(env.device.type, (env.world_size,))
+
+    def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
+             units: Sequence[nn.Module]) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        kwargs: dict = {"mesh": self.mesh(env), "reshard_after_forward": self.reshard_after_forward}
+        param_dtype = mixed_dtype(precision)
+        if param_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                       reduce_dtype=torch.float32)
+        if self.cpu_offload:
+            # pinned host memory makes the copies asynchronous; it needs an accelerator
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
+                    units: Sequence[nn.Module]) -> nn.Module:
+        return self.wrap(model, env, precision=precision, units=units)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def autocast(self, precision: str, device: torch.device) -> ContextManager:
+        return contextlib.nullcontext()  # the MixedPrecisionPolicy casts
+
+    def grad_scaler(self, precision: str, device: torch.device) -> Optional[Any]:
+        """Each rank holds a shard of the gradients: the inf/nan check must be agreed across
+        ranks, which the sharded scaler does."""
+        if precision != "fp16-mixed":
+            return None
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler(device.type)
+
+    def state_numel(self, shape: torch.Size, world: int, rank: int = 0) -> int:
+        """FSDP2 splits dim 0 evenly, the first ranks taking the remainder."""
+        if not shape:
+            return 1 if rank == 0 else 0
+        rows = shape[0]
+        per = math.ceil(rows / world)
+        return max(0, min(per, rows - rank * per)) * math.prod(shape[1:])
+
+    @property
+    def offloads_to_host(self) -> bool:
+        return self.cpu_offload
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}+offload" if self.cpu_offload else self.name
+
+
+@dataclass(frozen=True)
+class HSDP(FSDP):
+    """Hybrid sharding (FSDP2 on a 2-D mesh): shard within a group of `shard_group_size`
+    consecutive ranks (a node by default), replicate across the groups (the nodes).
+
+    The mesh is (replicate, shard) = (world / group, group), row-major, so a shard group is
+    ranks [k*group, (k+1)*group): one node's ranks. Per-layer all-gathers and reduce-scatters
+    stay inside a node; only a 1/group slice of the gradients is all-reduced across nodes. A rank
+    holds 1/group of the state (FSDP over all ranks: 1/world; DDP: all of it)."""
+    name: ClassVar[str] = "hsdp"
+    shard_group_size: int = 1
+
+    def mesh(self, env: DistEnv) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+        group = self.shard_group_size
+        return init_device_mesh(env.device.type, (env.world_size // group, group),
+                                mesh_dim_names=("replicate", "shard"))
+
+    def state_numel(self, shape: torch.Size, world: int, rank: int = 0) -> int:
+        """FSDP's split over the shard group; the replicas hold the same shards."""
+        group = self.shard_group_size
+        return super().state_numel(shape, group, rank % group)
+
+
+def shard_group(world_size: int, local_world_size: int, override: Optional[int]) -> int:
+    """HSDP's shard group size: `trainer.shard_group_size`, else the processes of one node; a
+    ConfigError when it does not divide the world."""
+    group = override if override is not None else local_world_size
+    if group < 1 or world_size % group:
+        fits = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise ConfigError(f"trainer.shard_group_size={group} must divide the world size "
+                          f"({world_size} processes): one of {fits}")
+    return group
+
+
+def resolve_parallelism(requested: str, *, world_size: int, local_world_size: int,
+                        device: torch.device, cpu_offload: bool = False,
+                        reshard_after_forward: bool = True,
+                        shard_group_size: Optional[int] = None,
+                        planned: Optional[tuple[Parallelism, str]] = None
+                        ) -> tuple[Parallelism, str]:
+    """(parallelism, why): `trainer.strategy` turned into an object, once. One process means
+    `single` whatever was asked for several; `auto` takes the memory plan's pick when there is
+    one (plan.py), else ddp. `hsdp` whose one shard group would span every process (one node,
+    no `shard_group_size`) is fsdp, and resolves to it, saying so."""
+    if requested == "dp":
+        if device.type != "cuda":
+            raise ConfigError("trainer.strategy=dp (nn.DataParallel) needs CUDA GPUs; on CPU use "
+                              "trainer.strategy=ddp")
+        if world_size > 1 and local_world_size > 1:
+            raise ConfigError("trainer.strategy=dp drives every GPU from one process; do not "
+                              "start one process per GPU (no torchrun, one node)")
+        return DataParallel(), "asked for"
+    if cpu_offload and requested not in ("fsdp", "auto"):
+        raise ConfigError(f"trainer.cpu_offload=true needs trainer.strategy=fsdp (parameters are "
+                          f"offloaded shard by shard), not {requested}")
+    if world_size == 1:
+        why = "one process" if requested in ("auto", "single") else \
+            f"{requested} asked for, but there is only one process"
+        return Parallelism(), why
+    if requested == "single":
+        raise ConfigError(f"trainer.strategy=single runs one process, but {world_size} were "
+                          "started; use trainer.strategy=ddp or one device")
+    fsdp = FSDP(cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward)
+    # a bad trainer.shard_group_size is an error under auto too (its plan may pick hsdp)
+    group = shard_group(world_size, local_world_size, shard_group_size) \
+        if requested in ("hsdp", "auto") else world_size
+    if requested == "hsdp":
+        if group == world_size:
+            return fsdp, (f"hsdp asked for, but its one shard group spans all {world_size} "
+                          "processes (one node without trainer.shard_group_size): that is fsdp")
+        return (HSDP(reshard_after_forward=reshard_after_forward, shard_group_size=group),
+                f"asked for: {world_size // group} replicas x shard groups of {group}")
+    if requested == "auto":
+        if cpu_offload:
+            return fsdp, "auto: trainer.cpu_offload=true needs fsdp"
+        return planned or (DDP(), "auto: several devices")
+    return (fsdp if requested == "fsdp" else DDP()), "asked for"
+
+
+def processes_per_node(requested: str, devices: int) -> int:
+    """nn.DataParallel drives all of a node's GPUs from one process; the others take one each."""
+    return 1 if requested == "dp" else devices
+
+
+# ---- composing the wrappers ---------------------------------------------------------------------
+def parallelize(model: nn.Module, parallelism: Parallelism, env: DistEnv, *, precision: str,
+                activation_checkpointing: bool = False, compile: bool = False,
+                wrap: Sequence[type] = ()) -> nn.Module:
+    """Activation checkpointing -> compile -> the data-parallel wrapper, in that order (the
+    wrapper must see the final modules)."""
+    if not parallelism.offloads_to_host:
+        model.to(env.device)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model)
+    return parallelism.wrap(model, env, precision=precision, units=shard_units(model, wrap))
+
+
+def parallelize_frozen(model: nn.Module, parallelism: Parallelism, env: DistEnv, *,
+                       precision: str, wrap: Sequence[type] = ()) -> nn.Module:
+    """A model the task runs without training it: no gradients, evaluation mode, placed and
+    (for sharding strategies) sharded by the same parallelism as the trained model."""
+    model.requires_grad_(False)
+    model.eval()
+    if not parallelism.offloads_to_host:
+        model.to(env.device)
+    return parallelism.wrap_frozen(model, env, precision=precision,
+                                   units=shard_units(model, wrap))
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every transformer block in backward (non-reentrant): activations of one block
+    at a time instead of all of them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+    for layers in _block_lists(model):
+        for i, block in enumerate(layers):
+            layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block separately: the blocks are identical, so one compiled graph is reused
+    and the compile time stays that of one block."""
+    for layers in _block_lists(model):
+        for i, block in enumerate(layers):
+            layers[i] = torch.compile(block)
+
+
+def shard_units(model: nn.Module, wrap: Sequence[type]) -> list[nn.Module]:
+    """The modules a sharding wraps one by one: instances of the `wrap` classes if given, else
+    the transformer blocks (ours, or those a Hugging Face model names in `_no_split_modules`:
+    an encoder-decoder's blocks of both stacks)."""
+    if wrap:
+        return [m for m in model.modules() if isinstance(m, tuple(wrap)) and m is not model]
+    return [block for layers in find_block_lists(model) for block in layers]
+
+
+def find_block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """Every list of repeated blocks: our models' `layers`; in a Hugging Face model, each
+    ModuleList whose modules are all blocks it names in `_no_split_modules` (model.model.layers,
+    transformer.h, encoder.block and decoder.block, ...). Empty when there is none."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return [layers]
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and
+            all(type(b).__name__ in names for b in m)]
+
+
+def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    lists = find_block_lists(model)
+    if not lists:
+        raise ConfigError(f"{type(model).__name__} has no list of blocks (a `layers` ModuleList) "
+                          "for activation checkpointing or compile to wrap block by block")
+    return lists

@@ -1,0 +1,324 @@
+"""The training loop of one rank: the nanoGPT loop, made exact across world sizes.
+
+- Every global batch is the same set of samples whatever the world size (GlobalSampler).
+- The loss is a token-weighted mean over all ranks and micro-steps: each micro-step backpropagates
+  sum(token losses) * world / (tokens in the global batch), and the data-parallel gradient mean
+  over ranks undoes the `* world`, so the gradient does not depend on how the batch was split.
+- Validation visits every sample exactly once, and every rank runs the same number of batches
+  (a rank out of samples runs a dummy batch that counts nothing), so wrappers that communicate in
+  forward (FSDP) never wait on a rank that has stopped.
+What is trained (model, data, loss) comes in as a task (task.py); how it is spread over devices,
+the batch plan and the number of steps come in as the run plan (runplan.py), decided before the
+workers started: the loop derives none of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ..checkpoint.snapshotter import Resumed, Snapshotter
+from ..config import TrainConfig
+from ..data.sampler import EvalSampler, GlobalSampler, SampleRecorder
+from ..dist import DistEnv
+from ..launch import watchdog
+from ..launch.preemption import StopSignals, stop_line
+from ..parallel.memory import SavedTensorMeter, format_memory_table, gather_memory, local_bytes
+from ..records import loggers
+from ..records.console import ProgressBar
+from ..records.metrics import MetricsLog, Throughput
+from ..runplan import RunPlan
+from ..tasks.base import NO_FROZEN, Frozen, Task
+from .early_stop import BestTracker
+
+
+class TrainLoop:
+    """The training loop of one rank; state lives here so a snapshot can save it."""
+
+    def __init__(self, plan: RunPlan, env: DistEnv, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, task: Task, *,
+                 snapshots: Optional[Snapshotter] = None, resumed: Optional[Resumed] = None,
+                 on_best: Optional[Callable[[int], None]] = None,
+                 stop: Optional[StopSignals] = None, frozen: Frozen = NO_FROZEN):
+        cfg = plan.cfg
+        self.plan, self.cfg, self.env, self.model = plan, cfg, env, model
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.task, self.frozen = task, frozen  # frozen: models the loss runs, never trained
+        self.val_ds = task.val_ds
+        self.accum, self.global_batch = plan.accum, plan.global_batch
+        self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
+        self.step = 0
+        self.units = 0  # loss units trained on (tokens; texts or samples for other tasks)
+        self.train_s = 0.0
+        self.step_lr = 0.0  # the learning rate of the last optimizer step
+        self.grads_bytes: Optional[int] = None  # measured once, while gradients exist
+        self.data_wait_s = 0.0  # time the loop waited for batches: should be ~0
+        self.progress = watchdog.Progress()  # where this rank is, for the stalled-rank watchdog
+        self.activation_bytes: Optional[int] = None  # saved for backward by one micro-step
+        # Wall time of every step, end to end (data, step, logging, bar): `paratrain bench`
+        # takes the median after warm-up, which leaves start-up and compilation out.
+        self.step_times: list[float] = []
+        self.step_cpu_times: list[float] = []  # CPU time of this process (all threads) per step
+        self.sampler = GlobalSampler(len(task.train_ds), env.world_size, env.rank, cfg.trainer.seed,
+                                     shuffle=True, drop_last=True, global_batch=plan.global_batch)
+        self.micro_batch = plan.micro_batch
+        # checkpoint.record_samples: a pass-through that notes which samples each step took
+        self.recorder = SampleRecorder(self.sampler) \
+            if cfg.checkpoint.record_samples else None
+        self.loader = _loader(task.train_ds,
+                              self.sampler if self.recorder is None else self.recorder,
+                              self.micro_batch, task.collate, cfg, env)
+        self.snapshots = snapshots
+        self.pending_loss = (0.0, 0.0)  # this rank's loss sum and units since the last log line
+        tr = cfg.trainer
+        self.best = BestTracker(tr.early_stopping_patience, tr.early_stopping_threshold)
+        self.on_best = on_best  # called (on every rank) after an evaluation that is the best
+        self.stopped_early: Optional[str] = None  # why the loop stopped before total_steps
+        self.stop = stop  # stop signals this process noted (preemption.py)
+        self.stopped_by = 0  # the signal every rank agreed to stop on (0: none)
+        self.val_metrics: dict = {}  # the last evaluation's figures besides the loss (accuracy)
+        self.best_metrics: dict = {}  # those of the best evaluation (keep_best reports them)
+        if resumed is not None:
+            self._restore(resumed)
+
+    def _restore(self, resumed: Resumed) -> None:
+        """Continue after optimizer step `resumed.step`. The sampler skips what the steps of
+        this epoch consumed, counted globally, so any world size continues the same order."""
+        self.step = resumed.step
+        epoch, done = divmod(self.step, self.steps_per_epoch)
+        self.sampler.load_state_dict({"epoch": epoch, "seed": self.sampler.seed,
+                                      "position": done * self.global_batch // self.env.world_size})
+        # the best evaluation so far is the same on every rank: any rank's copy will do
+        self.best.load_state_dict((resumed.rank or resumed.loop["ranks"][0]).get("best", {}))
+        if resumed.rank is not None:
+            self.pending_loss = (resumed.rank["loss_sum"], resumed.rank["count"])
+        elif self.env.is_master:  # another world size: the window's sums move to rank 0
+            ranks = resumed.loop["ranks"]
+            self.pending_loss = (sum(r["loss_sum"] for r in ranks),
+                                 sum(r["count"] for r in ranks))
+
+    def record_evaluation(self, val_loss: Optional[float]) -> None:
+        """Track the best validation loss; a new best goes to `on_best` (keep_best saves it)."""
+        if not self.best.update(self.step, val_loss):
+            return
+        self.best_metrics = dict(self.val_metrics)
+        if self.on_best is not None:
+            self.on_best(self.step)
+
+    def _micro_batches(self) -> Iterator[dict]:
+        epoch = self.step // self.steps_per_epoch
+        while True:
+            self.sampler.set_epoch(epoch)
+            yield from self.loader
+            epoch += 1
+
+    def run(self, records: Optional[loggers.RunRecords] = None) -> dict:
+        cfg, env, tr = self.cfg, self.env, self.cfg.trainer
+        mlog = MetricsLog(cfg.run_dir / "metrics.jsonl" if env.is_master else None, sinks=records)
+        bar = ProgressBar(env, self.total_steps, self.step, tr.progress_bar)
+        window = Throughput()
+        loss_sum, count = self.pending_loss  # since the last log line, this rank
+        slog = MetricsLog(cfg.run_dir / "samples.jsonl"
+                                  if env.is_master and self.recorder is not None else None)
+        last: dict = {}
+        batches = self._micro_batches()
+        t0 = t_step = time.perf_counter()
+        c_step = time.process_time()
+        saved_at = self.step  # the resume point is a committed snapshot already
+        try:
+            while self.step < self.total_steps:
+                if self._stop_agreed():  # a stop signal: snapshot after the step just done
+                    bar.write(stop_line(self.stopped_by, self.step))
+                    if self.snapshots is not None:
+                        if saved_at != self.step:
+                            self.snapshots.save(self.step, {"loss_sum": loss_sum, "count": count,
+                                                            "best": self.best.state_dict()},
+                                                blocking=True)
+                        self.snapshots.wait()  # committed before this rank leaves
+                    break
+                t_data = time.perf_counter()
+                self.progress.at(self.step + 1, "data")
+                micro = [next(batches) for _ in range(self.accum)]
+                window.wait(time.perf_counter() - t_data)
+                self.data_wait_s += time.perf_counter() - t_data
+                s, n, grad_norm, step_units = self._train_step(micro)
+                loss_sum += s
+                count += n
+                self.step += 1
+                if self.recorder is not None:  # every rank's sample ids of this step
+                    ids = env.gather_objects(self.recorder.pop())
+                    slog.write({"step": self.step, "ids": sorted(i for r in ids for i in r)})
+                window.add(step_units)
+                self.units += step_units
+                evaluate = self.step % tr.eval_every == 0 and self.step < self.total_steps
+                if self.step % tr.log_every == 0 or evaluate or self.step == self.total_steps:
+                    loss = env.weighted_mean(loss_sum, count)
+                    loss_sum = count = 0.0
+                    last = {"step": self.step, "epoch": (self.step - 1) // self.steps_per_epoch,
+                            "loss": loss, "lr": self.step_lr,
+                            "grad_norm": grad_norm, **window.report()}
+                    if evaluate:
+                        last["val_loss"] = self.evaluate()
+                        last.update(self.val_metrics)
+                        self.record_evaluation(last["val_loss"])
+                    mlog.write(last)
+                    bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}")
+                bar.update(1)
+                if tr.verbose and self.step % self.steps_per_epoch == 0 \
+                        and self.step < self.total_steps:  # the end of an epoch
+                    bar.write("memory after epoch "
+                              f"{self.step // self.steps_per_epoch}:\n" +
+                              format_memory_table(gather_memory(
+                                  env, self.model, self.optimizer, self.grads_bytes,
+                                  self.activation_bytes)))
+                if self.snapshots is not None and self.snapshots.should_save(self.step):
+                    # this rank's loss sums since the last log line: the next logged loss
+                    # comes out the same after a resume
+                    self.snapshots.save(self.step, {"loss_sum": loss_sum, "count": count,
+                                                    "best": self.best.state_dict()})
+                    saved_at = self.step
+                now = time.perf_counter()
+                self.step_times.append(now - t_step)
+                t_step, c_prev, c_step = now, c_step, time.process_time()
+                self.step_cpu_times.append(c_step - c_prev)
+                if self.best.should_stop:  # early stopping: the same step on every rank
+                    self.stopped_early = self.best.why()
+                    bar.write(f"early stopping at step {self.step}: {self.stopped_early}")
+                    break
+        finally:
+            self.train_s += time.perf_counter() - t0
+            bar.close()
+            mlog.close()
+            slog.close()
+        return last
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank got a stop signal; every rank learns it at the same step boundary
+        (one all-reduce of one number per step when distributed)."""
+        if self.stop is None:
+            return False
+        self.stopped_by = int(self.env.max_over_ranks(self.stop.signum))
+        return self.stopped_by != 0
+
+    def _train_step(self, micro: list[Any]) -> tuple[float, float, float, float]:
+        """One optimizer step over `accum` micro-batches; returns this rank's (sum of losses,
+        loss units), the global gradient norm before clipping and the loss units of the whole
+        global batch."""
+        env, model, parallelism = self.env, self.model, self.plan.parallelism
+        per_sample = self.task.units_per_sample
+        if per_sample is not None:  # every sample counts the same: no need to ask the others
+            global_units = float(self.global_batch * per_sample)
+        else:  # padded rows: count the real tokens of the whole global batch first
+            global_units = float(env.all_reduce_sum([sum(map(self.task.count_units, micro))])[0])
+        scale = env.world_size / max(global_units, 1.0)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        units = 0
+        for i, mb in enumerate(micro):
+            sync = i == len(micro) - 1
+            measure = self.activation_bytes is None and i == 0  # once: the first micro-step
+            meter = SavedTensorMeter(model) if measure else contextlib.nullcontext()
+            with (contextlib.nullcontext() if sync else parallelism.no_sync(model)), meter:
+                self.progress.at(self.step + 1, "forward", i)
+                s, n = self._loss(mb)
+                loss = s * scale
+                if measure:
+                    self.activation_bytes = meter.bytes
+                self.progress.at(self.step + 1, "backward", i)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += s.detach().double()
+            units += n
+        self.progress.at(self.step + 1, "optimizer")
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+        clip = self.cfg.optim.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the lr this step used: the one logged
+        self.scheduler.step()
+        if self.grads_bytes is None:
+            self.grads_bytes = local_bytes(p.grad for p in model.parameters())
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss_sum), float(units), float(norm), global_units
+
+    def _loss(self, mb: Any) -> tuple[torch.Tensor, int]:
+        """(sum of the loss, its loss units) for one micro-batch."""
+        dev = self.env.device
+        amp = self.plan.parallelism.autocast(self.plan.precision, dev)
+        return self.task.loss(self.model, mb, dev, amp, self.frozen)
+
+    def _eval_batch(self, mb: Any) -> tuple[Any, int, dict]:
+        """(loss sum, loss units, counts) for one validation micro-batch. A task may count more
+        than the loss (`eval_counts`, e.g. right predictions): evaluate sums those too."""
+        counts = getattr(self.task, "eval_counts", None)
+        if counts is None:
+            return (*self._loss(mb), {})
+        dev = self.env.device
+        return counts(self.model, mb, dev, self.plan.parallelism.autocast(self.plan.precision,
+                                                                          dev), self.frozen)
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        """Token-weighted validation loss over every sample once, whatever the world size; a
+        task's extra counts (`eval_counts`) are summed the same way and turned into figures by
+        its `eval_metrics` (kept in `val_metrics`)."""
+        env, tr, collate = self.env, self.cfg.trainer, self.task.collate
+        self.progress.at(self.step, "eval")
+        n = len(self.val_ds) if self.val_ds is not None else 0
+        if tr.eval_samples is not None:
+            n = min(n, tr.eval_samples)
+        if n == 0:
+            return None
+        mine = list(EvalSampler(n, env.world_size, env.rank))
+        b = self.micro_batch
+        n_batches = math.ceil(math.ceil(n / env.world_size) / b)  # the same on every rank
+        was_training = self.model.training
+        self.model.eval()
+        total = count = 0.0
+        extra: dict = {}  # the task's counts, summed
+        # a bar on rank 0 when validation lasts more than 2 s (the final one: ~20 s by default)
+        bar = ProgressBar(env, n_batches, enabled=tr.progress_bar, desc="validation",
+                          unit="batch", leave=False, delay_s=2.0)
+        for i in range(n_batches):
+            idx = mine[i * b:(i + 1) * b]
+            if idx:
+                s, c, counts = self._eval_batch(collate([self.val_ds[j] for j in idx]))
+                for key, value in counts.items():
+                    extra[key] = extra.get(key, 0.0) + float(value)
+            else:  # out of samples: keep step with the other ranks, count nothing
+                _, _, counts = self._eval_batch(collate([self.val_ds[0]]))
+                for key in counts:  # the same keys on every rank, for the sum below
+                    extra.setdefault(key, 0.0)
+                s, c = 0.0, 0
+            total += float(s)
+            count += c
+            bar.update(1)
+        bar.close()
+        self.model.train(was_training)
+        if hasattr(self.task, "eval_metrics"):  # every rank ran >= 1 batch: the same keys
+            keys = sorted(extra)
+            summed = env.all_reduce_sum([extra[k] for k in keys] or [0.0]).tolist()
+            self.val_metrics = self.task.eval_metrics(dict(zip(keys, summed)))
+        return env.weighted_mean(total, count)
+
+
+def _loader(ds: Any, sampler: Any, batch_size: int, collate: Any, cfg: TrainConfig,
+            env: DistEnv) -> DataLoader:
+    workers = cfg.data.num_workers
+    # A generator of its own: by default every new iterator draws a seed from the global RNG,
+    # and a resumed run starts its iterator mid-epoch, which would shift dropout's random stream.
+    return DataLoader(ds, batch_size=batch_size, sampler=sampler, drop_last=True,
+                      collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
+                      pin_memory=env.device.type == "cuda",
+                      generator=torch.Generator().manual_seed(cfg.trainer.seed))

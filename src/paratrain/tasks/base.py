@@ -1,0 +1,158 @@
+"""What is being trained: the model, its data, its loss, and how the result is saved.
+
+The loop is the same for every task; what differs lives behind `Task`, a typing.Protocol. The
+tasks are found by `data.format` in the registry (registry.py): `LMTask` (lm.py, a language model
+on a corpus), the fine-tuning tasks on a pretrained Hugging Face model (hf.py's shared base;
+causal_lm.py, classify.py), and, outside the registry, the user's own model and data (`UserTask`,
+user.py) or any Task object handed to `Trainer(task=...)`.
+The unit the loss counts (tokens, texts, samples) is called a *loss unit* everywhere: the loop
+weights gradients by it, and throughput (`tokens_per_s` in the files, `unit_name` per second)
+counts it, so pads are never counted.
+A task may also count more than the loss at validation (optional, not in the protocol):
+`eval_counts(model, batch, device, amp, frozen)` -> (loss sum, loss units, {name: count}) and
+`eval_metrics({name: summed count})` -> figures reported with the validation loss; the loop sums
+the counts over every validation sample once and over all ranks (classify.py: accuracy).
+A task may need models that are run but not trained (DPO's reference, a distillation teacher):
+`build_frozen()` gives them by name; the run builds, places and shards them with the trained
+model's parallelism, keeps them out of the optimizer and the snapshots, counts their memory, and
+hands them to `loss` as `frozen`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.dataset import IGNORE_INDEX
+from ..errors import ConfigError
+
+Frozen = Mapping[str, nn.Module]  # models a task runs without training them, by name
+NO_FROZEN: Frozen = {}
+
+
+@dataclass(frozen=True)
+class MemoryProbe:
+    """What the memory plan needs to measure a model: how to build it (and the frozen models a
+    task runs beside it), and one sample's shape."""
+    build_model: Callable[[], nn.Module]
+    seq_length: int
+    vocab_size: int
+    build_frozen: Optional[Callable[[], dict[str, nn.Module]]] = None
+
+
+@dataclass
+class TaskRecords:
+    """Records given in Python (`Trainer(model=DIR, train_input=..., train_output=...)`): lists
+    of dicts, sent to the workers as they are, read by the task of data.format."""
+    train: list
+    val: Optional[list] = None
+
+
+class Task(Protocol):
+    """What the loop needs from a task."""
+    train_ds: Any  # map-style datasets
+    val_ds: Any
+    fsdp_wrap: Sequence[type]  # module classes FSDP shards one by one (empty: the blocks)
+    sample_name: str  # how the batch log line names one sample ("sequences of 256 tokens")
+    unit_name: str  # what one loss unit is ("tokens", "texts", "samples"): throughput counts it
+    perplexity: bool  # the loss is a per-token cross-entropy: exp(loss) is worth logging
+    units_per_sample: Optional[int]  # loss units per sample when fixed; None: count per batch
+    tokenizer_path: Optional[Path]
+    data_fingerprint: Optional[str]
+
+    @property
+    def collate(self) -> Callable[[list], Any]: ...
+
+    def build_model(self) -> nn.Module: ...
+
+    def build_frozen(self) -> dict[str, nn.Module]:
+        """Models run beside the trained one and never trained (empty for most tasks)."""
+
+    def count_units(self, batch: Any) -> int:
+        """Loss units in a collated batch."""
+
+    def loss(self, model: nn.Module, batch: Any, device: torch.device,
+             amp: ContextManager, frozen: Frozen = NO_FROZEN) -> tuple[torch.Tensor, int]:
+        """(sum of the loss over loss units, loss units) for one micro-batch."""
+
+    def describe(self, n_params: int) -> str: ...
+
+    def shortage_message(self, global_batch: int) -> str:
+        """One line for a training set smaller than one global batch."""
+
+    @property
+    def model_info(self) -> dict: ...
+
+    def memory_probe(self) -> Optional[MemoryProbe]:
+        """How the memory plan can measure this model; None: it cannot (auto picks ddp)."""
+
+    def save(self, model: nn.Module, out_dir: Path, state: dict) -> None:
+        """Write the trained model (the unwrapped module, the full state dict) to out_dir."""
+
+
+class NoFrozenModels:
+    """For tasks that train one model and run no other."""
+
+    def build_frozen(self) -> dict[str, nn.Module]:
+        return {}
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Tensors anywhere inside dicts, lists and tuples, moved (asynchronously from pinned RAM)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+class TokenLoss:
+    """For tasks whose batches carry next-token `targets` (IGNORE_INDEX where not counted): the
+    loss is summed over counted tokens, and those tokens are the loss unit."""
+    unit_name = "tokens"
+
+    def count_units(self, batch: dict) -> int:
+        return int((batch["targets"] != IGNORE_INDEX).sum())
+
+    def loss(self, model: nn.Module, batch: dict, device: torch.device,
+             amp: ContextManager, frozen: Frozen = NO_FROZEN) -> tuple[torch.Tensor, int]:
+        return token_loss(model, batch, device, amp)
+
+
+def token_loss(model: nn.Module, batch: dict, device: torch.device,
+               amp: ContextManager) -> tuple[torch.Tensor, int]:
+    """(sum of token losses, counted tokens) for one micro-batch of next-token targets
+    (IGNORE_INDEX where not counted: pads, prompts)."""
+    batch = to_device(batch, device)
+    idx, targets = batch["input_ids"], batch["targets"]  # (B, T), (B, T)
+    with amp:
+        out = model(idx, attention_mask=batch.get("attention_mask"))
+    logits = out.logits if hasattr(out, "logits") else out  # (B, T, V); HF returns an object
+    s = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                        ignore_index=IGNORE_INDEX, reduction="sum")
+    return s, int((targets != IGNORE_INDEX).sum())
+
+
+def check_picklable(**objects: Any) -> None:
+    """Workers are spawned: what is handed to them must pickle. Say which argument does not,
+    and what to do, before any process starts."""
+    import pickle
+
+    from ..formatting import first_line
+    for name, obj in objects.items():
+        if obj is None:
+            continue
+        try:
+            pickle.dumps(obj)
+        except Exception as e:  # PicklingError, AttributeError (local objects), TypeError
+            raise ConfigError(
+                f"{name}= cannot be sent to the worker processes ({type(e).__name__}: "
+                f"{first_line(e) if str(e) else ''}); define it at module level (not a "
+                "lambda or a function inside another function), or run under torchrun") from None

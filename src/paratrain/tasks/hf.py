@@ -1,0 +1,179 @@
+"""What every fine-tuning task on a pretrained Hugging Face model shares: the model's own
+tokenizer (nothing is retrained), the records (files or the Python API's lists), the held-out
+validation split, LoRA, pad-to-longest batches, and a `from_pretrained` output folder that carries
+the tokenizer files byte for byte. A task (causal_lm.py, classify.py) adds its encoder, the
+transformers auto class it loads, and its loss.
+
+The records are read and encoded in every process the same way (encoding is deterministic), so
+the workers need only the config, or the Python API's lists, to rebuild the task.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Optional, Sequence
+
+from torch import nn
+
+from ..config import TrainConfig
+from ..config_checks import resolve_tokenizer
+from ..data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
+from ..dist import DistEnv
+from ..errors import ConfigError
+from ..fileio import atomic_dir
+from ..formatting import human_count
+from .base import MemoryProbe, NoFrozenModels, TaskRecords
+
+
+class Encoder:
+    """Turns records into examples for one task; may learn from the training rows what the
+    validation rows need (a classifier's label ids), and hand it to the task (`task_fields`)."""
+
+    def __call__(self, rows: list, source_name: str) -> list: ...
+
+    def task_fields(self) -> dict:
+        return {}
+
+
+@dataclass
+class PretrainedTask(NoFrozenModels):
+    """A pretrained Hugging Face model on encoded records (see module docstring)."""
+    cfg: TrainConfig
+    tokenizer: Any  # transformers' PreTrainedTokenizerBase
+    train_ds: Any
+    val_ds: Any
+    tokenizer_dir: Path
+    fsdp_wrap: Sequence[type] = ()
+    data_fingerprint: Optional[str] = None
+    # what differs per task (class attributes)
+    sample_name: ClassVar[str] = "examples"  # one sample, in log lines
+    perplexity: ClassVar[bool] = True  # a per-token cross-entropy (not a classifier's)
+    units_per_sample: ClassVar[Optional[int]] = None  # answers differ in length: per batch
+    lora_task_type: ClassVar[str] = "CAUSAL_LM"  # peft's task_type
+
+    @classmethod
+    def prepare(cls, cfg: TrainConfig, env: DistEnv, records: Optional[TaskRecords],
+                log: Callable[[str], None]) -> "PretrainedTask":
+        """Tokenizer, records, encoding and the validation split; each note is logged."""
+        from ..data.finetune import FinetuneDataset, split_validation
+        from ..data.hf_tokenizer import load_tokenizer
+        quiet_transformers()
+        d = cfg.data
+        tokenizer_dir = Path(resolve_tokenizer(cfg.data, cfg.model)).expanduser()
+        cls.check_model(cfg)
+        tokenizer, note = load_tokenizer(tokenizer_dir)
+        notes = [note] if note else []
+        train_rows, val_rows = read_records(cfg, records)
+        encode = cls.encoder(cfg, tokenizer, notes)
+        train = encode(train_rows, "train_input" if records else str(d.source))
+        if val_rows is not None:
+            val = encode(val_rows, "validation_input" if records else str(d.val_source))
+        elif d.val_fraction > 0:
+            train, val = split_validation(train, d.val_fraction, seed=cfg.trainer.seed)
+        else:
+            val = []
+        for line in notes:
+            log(line)
+        return cls(cfg, tokenizer, FinetuneDataset(train), FinetuneDataset(val) if val else None,
+                   tokenizer_dir, **encode.task_fields())
+
+    @classmethod
+    def encoder(cls, cfg: TrainConfig, tokenizer: Any, notes: list) -> Encoder:
+        """The task's encoder; it appends one note per source it encodes."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_model(cls, cfg: TrainConfig) -> None:
+        """Refuse, in one line, a model.path this task cannot train (before any encoding)."""
+
+    def load_pretrained(self) -> nn.Module:
+        """The pretrained model, loaded with the task's transformers auto class."""
+        raise NotImplementedError
+
+    @property
+    def collate(self) -> Callable[[list], Any]:
+        from ..data.finetune import PadCollate
+        return PadCollate(self.tokenizer.pad_token_id)
+
+    @property
+    def lora(self) -> bool:
+        return self.cfg.model.lora.r > 0
+
+    def build_model(self) -> nn.Module:
+        """The pretrained model (with LoRA adapters and its base frozen, when asked)."""
+        from .lora import apply_lora
+        model = self.load_pretrained()
+        return apply_lora(model, self.cfg.model.lora, task_type=self.lora_task_type) \
+            if self.lora else model
+
+    def describe(self, n_params: int) -> str:
+        return (f"model hf ({self.cfg.model.path}): {human_count(n_params)} parameters; "
+                f"tokenizer {self.tokenizer_dir} ({len(self.tokenizer)} tokens)")
+
+    def shortage_message(self, global_batch: int) -> str:
+        return (f"{self.cfg.data.source!r} gives {len(self.train_ds)} training "
+                f"{self.sample_name}, fewer than one global batch of {global_batch} "
+                "(trainer.batch_size x workers x accumulation); use more records or a smaller "
+                "batch")
+
+    @property
+    def model_info(self) -> dict:
+        return {"arch": "hf", "path": self.cfg.model.path, "format": self.cfg.data.format}
+
+    def memory_probe(self) -> Optional[MemoryProbe]:
+        return None
+
+    @property
+    def tokenizer_path(self) -> Optional[Path]:
+        path = self.tokenizer_dir / TOKENIZER_FILE
+        return path if path.is_file() else None
+
+    def save(self, model: nn.Module, out_dir: Path, state: dict) -> None:
+        """A `from_pretrained` folder (safetensors) with the tokenizer's files copied as they
+        are, written atomically like every output; with LoRA, the merged model there and the
+        adapter alone in adapter/ next to it."""
+        if self.lora:
+            from .lora import ADAPTER_DIR, save_lora
+            save_lora(self.build_model(), state, out_dir, out_dir.parent / ADAPTER_DIR,
+                      self.add_files)
+            return
+        with atomic_dir(out_dir) as tmp:
+            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            self.add_files(tmp)
+
+    def add_files(self, folder: Path) -> None:
+        """What goes next to the weights: the tokenizer's files, as they are."""
+        copy_tokenizer_files(self.tokenizer_dir, folder)
+
+
+def read_records(cfg: TrainConfig, records: Optional[TaskRecords]
+                 ) -> tuple[list, Optional[list]]:
+    """(training rows, validation rows or None): the Python API's lists, else data.source and
+    data.val_source read as records."""
+    from ..data.records import read_rows
+    if records is not None:
+        return records.train, records.val
+    d = cfg.data
+    if d.source == "stdlib":
+        raise ConfigError(f"data.format={d.format} needs data.source: a .jsonl, .parquet or .csv "
+                          "file (or a datasets folder) of records")
+    train_rows = read_rows(d.source, what="data.source")
+    return train_rows, read_rows(d.val_source, what="data.val_source") if d.val_source else None
+
+
+def quiet_transformers() -> None:
+    """transformers' own progress bars and length warnings would interleave with our log: the
+    encoders report truncation themselves."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def model_config(path: Optional[str]) -> dict:
+    """model.path's config.json as a dict ({} when missing or broken: loading says why)."""
+    import json
+    try:
+        return json.loads((Path(str(path)).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,2 @@
+"""Tools beside the training path: `paratrain bench`, the plain-DDP reference loop,
+`paratrain doctor`."""

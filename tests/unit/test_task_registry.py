@@ -1,0 +1,74 @@
+"""The task registry: one table answers every format question, unknown names list the
+registered ones, the API recognises records by their fields, and a new task is one module plus
+one registration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from paratrain.config import TrainConfig
+from paratrain.dist import DistEnv
+from paratrain.errors import ConfigError
+from paratrain.runtime.rank import prepare_task
+from paratrain.tasks import registry
+from paratrain.tasks.user import UserTask
+
+
+def test_the_built_in_formats_and_what_they_are():
+    assert registry.names() == ("packed", "padded", "pairs", "chat", "classify")
+    assert registry.names(pretrained=True) == ("pairs", "chat", "classify")
+    assert [registry.get(n).packed for n in ("packed", "padded")] == [True, False]
+    from paratrain.tasks.causal_lm import ChatTask, PairsTask
+    from paratrain.tasks.classify import ClassifyTask
+    from paratrain.tasks.lm import LMTask
+    assert [registry.get(n).load() for n in registry.names()] == \
+        [LMTask, LMTask, PairsTask, ChatTask, ClassifyTask]
+
+
+def test_an_unknown_format_names_the_registered_ones():
+    with pytest.raises(ConfigError, match="data.format='dpo' is not one of: packed, padded, "
+                                          "pairs, chat, classify"):
+        TrainConfig.from_yaml(None, ["data.format=dpo"])
+
+
+def test_records_are_recognised_by_their_fields():
+    assert registry.recognize({"messages": []}).name == "chat"
+    assert registry.recognize({"text": "a", "label": 1}).name == "classify"
+    assert registry.recognize({"input": "a", "output": "b"}).name == "pairs"
+    assert registry.recognize({"prompt": "a"}).name == "pairs"  # the default: its encoder says
+
+
+def test_the_registry_is_free_of_torch():
+    code = ("import sys; from paratrain.tasks import registry; registry.get('pairs'); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+@dataclass
+class _Numbers(UserTask):
+    """A task from outside the package: prepared from the config alone."""
+
+    @classmethod
+    def prepare(cls, cfg, env, records, say):
+        import torch
+        say("numbers: 64 samples")
+        return cls(lambda: torch.nn.Linear(2, 1), [torch.zeros(2)] * 64)
+
+
+def test_a_new_task_is_one_registration(monkeypatch):
+    spec = registry.TaskSpec("numbers", f"{__name__}:_Numbers", summary="test numbers")
+    monkeypatch.setitem(registry._TASKS, "numbers", spec)
+    cfg = TrainConfig.from_yaml(None, ["data.format=numbers"])  # config accepts it
+    lines: list[str] = []
+    monkeypatch.setattr("paratrain.runtime.rank.log", lambda env, m: lines.append(m))
+    task = prepare_task(cfg, DistEnv.single("cpu"))
+    assert isinstance(task, _Numbers) and len(task.train_ds) == 64
+    assert lines == ["numbers: 64 samples"]
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register(spec)
