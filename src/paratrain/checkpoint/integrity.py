@@ -72,14 +72,21 @@ def checksum_of(data: bytes) -> str:
 
 
 class HashingStream:
-    """A writable stream that hashes what it passes on (the bytes storage accepted)."""
+    """A writable stream that hashes what it passes on (the bytes storage accepted). The first
+    error storage raised is kept: torch.save's zip writer reports a failed write as its own
+    "unexpected pos" error, and the user needs the real one (no space left, file too large)."""
 
     def __init__(self, raw: Any):
         self.raw = raw
         self.checksum = Checksum()
+        self.error: Optional[BaseException] = None
 
     def write(self, data: Any) -> int:
-        n = self.raw.write(data)
+        try:
+            n = self.raw.write(data)
+        except Exception as e:
+            self.error = self.error or e
+            raise
         view = memoryview(data)
         self.checksum.update(view if n is None or n == view.nbytes else view.cast("B")[:n])
         return view.nbytes if n is None else n
@@ -138,7 +145,12 @@ class _HashingFS:
             return
         with self._inner.create_stream(path, mode) as raw:
             stream = HashingStream(raw)
-            yield stream
+            try:
+                yield stream
+            except Exception as e:
+                if stream.error is not None and stream.error is not e:
+                    raise stream.error from e  # the storage's own error, not torch's echo of it
+                raise
         self._written[os.path.basename(os.fspath(path))] = stream.checksum
 
 

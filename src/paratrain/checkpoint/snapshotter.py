@@ -213,8 +213,8 @@ class Snapshotter:
                 "permissions, quota) and run the same command to continue"
                 + (" from it" if newest else " (from step 0)"))
         log(self.env, f"warning: snapshot {redact_url(url)} could not be written ({why}); it "
-                      f"was not committed and {older}; training goes on ({n} of "
-                      f"checkpoint.max_failed_saves={most} failures in a row)")
+                      f"was not committed and {older} ({n} failed in a row; the run stops at "
+                      f"checkpoint.max_failed_saves={most})")
         return False
 
     def outputs_failed(self, step: int, rank: dict, what: str) -> TrainingError:
@@ -238,9 +238,9 @@ class Snapshotter:
                 newest = next((s.url for s in reversed(self.store.snapshots()) if s.committed),
                               None)
             newest = self.env.broadcast_object(newest)
-            then = ("once that is fixed, the same command continues from "
-                    + (f"{redact_url(newest)}" if newest else "step 0")
-                    + " and trains the remaining steps again")
+            then = ("once that is fixed, the same command " +
+                    (f"continues from {redact_url(newest)} and trains the steps after it again"
+                     if newest else "starts over from step 0 (no snapshot was committed)"))
         return TrainingError(f"the final model could not be written to {what}; the run is not "
                              f"finished; {then}")
 
