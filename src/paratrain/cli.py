@@ -117,20 +117,31 @@ def cmd_config_show(ns: argparse.Namespace) -> int:
 def cmd_checkpoint_inspect(ns: argparse.Namespace) -> int:
     import json
 
-    from .checkpoint import store
+    from .checkpoint import inspection, store
     _, step = store.split(ns.path)
     if step is None:  # a checkpoints folder or a run dir: one line per snapshot
-        rows = store.listing(ns.path)
+        rows = inspection.listing(ns.path)
         if ns.json:
             print(json.dumps(rows, indent=2))
         for r in [] if ns.json else rows:
             state = "committed" if r["committed"] else "NOT committed"
             print(f"{r['path']}  step {r['step']}  {state}  {r['bytes']:,} bytes"
-                  + (f"  unusable: {r['problem']}" if r["committed"] and r["problem"] else ""))
+                  + (f"  unusable: {r['problem']}" if r["committed"] and r["problem"] else "")
+                  + ("" if r["checksums"] or not r["committed"] else
+                     "  no checksums (cannot be verified)"))
         return 0
-    d = store.describe(ns.path)
-    print(json.dumps(d, indent=2) if ns.json else store.format_description(d))
+    d = inspection.describe(ns.path)
+    print(json.dumps(d, indent=2) if ns.json else inspection.format_description(d))
     return 0
+
+
+def cmd_checkpoint_verify(ns: argparse.Namespace) -> int:
+    """One line per snapshot; exit 0 when every one is good, 1 otherwise."""
+    from .checkpoint import inspection
+    verdicts = inspection.verify(ns.path)
+    for v in verdicts:
+        print(v.line(), flush=True)
+    return 0 if all(v.good for v in verdicts) else 1
 
 
 def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
@@ -215,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     _doctor_arguments(dr)
     dr.set_defaults(func=cmd_doctor)
 
-    k = sub.add_parser("checkpoint", help="look into training snapshots, export their weights")
+    k = sub.add_parser("checkpoint",
+                       help="look into training snapshots, verify them, export their weights")
     ksub = k.add_subparsers(dest="checkpoint_command", metavar="ACTION")
     ksub.required = True
     ki = ksub.add_parser("inspect", help="step, world size, strategy, tensors, committed or not",
@@ -225,6 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
     ki.add_argument("path")
     ki.add_argument("--json", action="store_true", help="print JSON instead of text")
     ki.set_defaults(func=cmd_checkpoint_inspect)
+    kv = ksub.add_parser("verify", help="check every file's size and checksum; exit 1 if any "
+                                        "snapshot is bad",
+                         description="PATH: a snapshot folder, or a checkpoints folder or run "
+                                     "dir (every snapshot in it); local or fsspec URL (s3://...). "
+                                     "One line per snapshot: ok, or the file that is missing, cut "
+                                     "short or changed since it was written. Exit code 0 when "
+                                     "all are good, 1 otherwise.")
+    kv.add_argument("path")
+    kv.set_defaults(func=cmd_checkpoint_verify)
     ke = ksub.add_parser("export", help="one model.safetensors from a sharded snapshot",
                          description="PATH: a snapshot folder, or a checkpoints folder or run "
                                      "dir (its newest committed snapshot). OUT: a folder (model "

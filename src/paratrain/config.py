@@ -128,6 +128,7 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto | never | a snapshot folder (step-NNNNNNN)
     async_save: bool = True  # write in the background; false: the loop waits for the write
+    max_failed_saves: int = 3  # snapshots that cannot be written in a row before the run stops
     record_samples: bool = False  # test aid: samples.jsonl lists each step's sample ids
 
 

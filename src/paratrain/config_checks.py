@@ -131,6 +131,9 @@ def validate(cfg: Any) -> None:
                           "must be >= 0")
     if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep_last >= 1")
+    if cfg.checkpoint.max_failed_saves < 1:
+        raise ConfigError(f"checkpoint.max_failed_saves={cfg.checkpoint.max_failed_saves} must "
+                          "be >= 1 (1: stop at the first snapshot that cannot be written)")
     d = cfg.distributed
     parse_nnodes(d.nnodes)
     if not 0 <= d.master_port <= 65535:

@@ -6,15 +6,15 @@ Every comparison is against one uninterrupted run of the same configuration (CPU
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
-import socket
 
 import pytest
 
+from paratrain.checkpoint import inspection
 from paratrain.checkpoint import store as snapshot
 from tests.conftest import read_metrics, read_summary, run_cli
+from tests.distributed._s3 import SECRET
 from tests.distributed._snapshot_helpers import (
     args_for,
     assert_bit_identical,
@@ -105,14 +105,17 @@ def test_truncated_and_corrupt_snapshots_are_skipped_with_a_warning(tmp_path, re
     ck = run_dir / "checkpoints"
     shard = ck / "step-0000012" / "__0_0.distcp"  # cut short: caught by the recorded sizes
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    meta = ck / "step-0000008" / ".metadata"  # same size, garbage: caught when DCP reads it
+    meta = ck / "step-0000008" / ".metadata"  # same size, garbage: caught by its checksum
     meta.write_bytes(b"\x00" * meta.stat().st_size)
 
     r = run_cli(args_for(corpus_dir, cache_dir, "damaged"), cwd=tmp_path, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     warnings = [line for line in r.stderr.splitlines() if "skipping snapshot" in line]
-    assert any("step-0000012" in w and "__0_0.distcp has" in w for w in warnings), r.stderr
-    assert any("step-0000008" in w and "cannot be loaded" in w for w in warnings), r.stderr
+    fallback = "falling back to runs/damaged/checkpoints/step-0000004"
+    assert any("step-0000012" in w and "__0_0.distcp has" in w and w.endswith(fallback)
+               for w in warnings), r.stderr
+    assert any("step-0000008" in w and ".metadata does not match its checksum" in w
+               and w.endswith(fallback) for w in warnings), r.stderr
     assert "resumed from step 4 " in r.stderr
     assert_bit_identical(run_dir, ref)
 
@@ -142,30 +145,6 @@ def test_two_workers_snapshot_continues_on_one_worker(tmp_path, ref, corpus_dir,
 
 
 # ---- object storage ----------------------------------------------------------------------------
-SECRET = "paratrain-test-s3cr3t-value"
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    """moto's S3 server on loopback, started and stopped here; one bucket."""
-    pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "paratrain-key",
-           "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
-    import boto3
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                 aws_access_key_id="paratrain-key",
-                 aws_secret_access_key=SECRET).create_bucket(Bucket="snapshots")
-    yield env
-    server.stop()
-
-
 def test_snapshots_on_s3_resume_after_a_kill(tmp_path, ref, corpus_dir, cache_dir, s3_server,
                                              monkeypatch):
     for k, v in s3_server.items():
@@ -188,7 +167,7 @@ def test_snapshots_on_s3_resume_after_a_kill(tmp_path, ref, corpus_dir, cache_di
     assert_bit_identical(run_dir, ref)
     assert [s.step for s in store.snapshots() if s.committed] == [4, 8, 12]
     assert not (run_dir / "checkpoints").exists()  # everything went to the bucket
-    described = snapshot.describe(store.url(12))
+    described = inspection.describe(store.url(12))
     assert described["usable"] and described["world_size"] == 2 and described["tensors"]
     # credentials stay in the environment: never in the run dir, the log or the snapshot
     assert SECRET not in r.stderr + r.stdout

@@ -41,6 +41,8 @@ def test_snapshot_from_an_older_version_resumes_bit_identical(tmp_path):
                 cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from step 4" in r.stderr
+    assert "has no checksums (written before paratrain recorded them): its sizes were checked, " \
+        "its contents cannot be verified" in r.stderr  # said, never silent
     assert read_summary(resumed)["resumed_from"]["step"] == 4
 
     after = [m for m in read_metrics(fresh) if m["step"] > 4]

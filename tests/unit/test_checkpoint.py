@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from paratrain.checkpoint import integrity
 from paratrain.checkpoint import store as snapshot
 from paratrain.checkpoint.rundir import check_run_dir, trim_jsonl
 from paratrain.checkpoint.snapshotter import Snapshotter
@@ -70,8 +71,14 @@ def _fake_snapshot(root, step: int, committed: bool = True, payload: bytes = b"x
     (d / ".metadata").write_bytes(b"meta")
     (d / "__0_0.distcp").write_bytes(payload)
     if committed:
-        snapshot.Store(str(root)).commit(str(d), {"step": step})
+        snapshot.Store(str(root)).commit(str(d), {"step": step}, _written(d))
     return d
+
+
+def _written(folder) -> dict:
+    """What DCP's checksumming writer would report for the files of `folder`."""
+    return {p.name: integrity.Written(p.stat().st_size, integrity.checksum_of(p.read_bytes()), 0)
+            for p in folder.iterdir()}
 
 
 # ---- layout ------------------------------------------------------------------------------------

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from ..dist import DistEnv
-from ..errors import CheckpointError, ConfigError, ParatrainError
+from ..errors import CheckpointError, ConfigError, ParatrainError, TrainingError
 from ..formatting import first_line
 from ..records.console import log
 from ..redact import redact_secrets, redact_url
 from ..runplan import RunPlan
-from . import store
+from . import integrity, store
 from .store import Store
 
 # A one-process run saves with no process group, on purpose; DCP says so once per save, from its
@@ -73,8 +73,12 @@ class Snapshotter:
         self.store = Store(store.root_of(cfg))
         self.every, self.keep_last, self.async_save = ck.every_steps, ck.keep_last, ck.async_save
         self.at_epoch_end = ck.at_epoch_end
+        self.max_failed_saves = ck.max_failed_saves
+        self.failed_in_a_row = 0  # snapshots that could not be written, since the last commit
+        self.committed_url: Optional[str] = None  # the newest snapshot this run committed or
+        # resumed from
         self.stalls: list[float] = []  # seconds the loop waited, per snapshot
-        self._pending: Optional[Future] = None
+        self._pending: Optional[tuple[str, Future]] = None
         self._pg = None
         if env.distributed and (self.every or self.at_epoch_end) and self.async_save:
             import torch.distributed as dist
@@ -92,11 +96,12 @@ class Snapshotter:
             or self.at_epoch_end and step % plan.steps_per_epoch == 0)
 
     # ---- save ----------------------------------------------------------------------------
-    def save(self, step: int, rank: dict, blocking: bool = False) -> None:
+    def save(self, step: int, rank: dict, blocking: bool = False) -> Optional[bool]:
         """Snapshot after optimizer step `step`. `rank` is this rank's own (small, JSON) state:
-        its loss sums since the last log line. Returns once the state is staged (async) or
-        written and committed (sync, or `blocking`: a stop signal's last snapshot); the time it
-        took is the loop's stall."""
+        its loss sums since the last log line. Returns once the state is staged (async: None) or
+        written and committed (sync, or `blocking`: a stop signal's last snapshot; True when it
+        was committed, False when it could not be written); the time it took is the loop's
+        stall."""
         import torch.distributed.checkpoint as dcp
         t0 = time.perf_counter()
         self.wait()  # one save at a time: the previous one is committed before the next starts
@@ -111,18 +116,30 @@ class Snapshotter:
                       "scaler": self.scaler.state_dict() if self.scaler else None,
                       "ranks": ranks, "config": redact_secrets(self.cfg.to_dict())}
         state = self._state_dicts()
-        kw = dict(checkpoint_id=url, process_group=self._pg, no_dist=not self.env.distributed)
+        writer = integrity.writer(url)  # checksums every file as it is written
+        kw = dict(checkpoint_id=url, storage_writer=writer, process_group=self._pg,
+                  no_dist=not self.env.distributed)
+        committed = None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's "assuming a single process"
             if self.async_save and not blocking:
-                self._pending = self._then_commit(dcp.async_save(state, **kw), url, marker)
+                self._pending = (url, self._then_commit(dcp.async_save(state, **kw), url, marker,
+                                                        writer))
             else:
-                dcp.save(state, **kw)
-                if marker is not None:
-                    self._commit(url, marker)
+                from torch.distributed.checkpoint.api import CheckpointException
+                error = None
+                try:
+                    dcp.save(state, **kw)
+                    if marker is not None:
+                        self._commit(url, marker, writer.files)
+                except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
+                    error = e
+                committed = self._settle(url, error)
         self.stalls.append(time.perf_counter() - t0)
+        return committed
 
-    def _then_commit(self, saved: Future, url: str, marker: Optional[dict]) -> Future:
+    def _then_commit(self, saved: Future, url: str, marker: Optional[dict], writer: Any
+                     ) -> Future:
         """A future that completes once the snapshot is committed, not just written: waiting on
         DCP's own future could return before its callbacks (our commit) have run."""
         done: Future = Future()
@@ -131,31 +148,101 @@ class Snapshotter:
             try:
                 f.result()
                 if marker is not None:
-                    self._commit(url, marker)
+                    self._commit(url, marker, writer.files)
                 done.set_result(url)
             except BaseException as e:  # surfaces in wait(), in the training thread
                 done.set_exception(e)
         saved.add_done_callback(finish)
         return done
 
-    def _commit(self, url: str, marker: dict) -> None:
-        """Rank 0, after DCP finished on every rank: marker last, then (and only then) prune."""
-        self.store.commit(url, marker, self.tokenizer_path)
-        gone = self.store.prune(self.keep_last)
+    def _commit(self, url: str, marker: dict, written: dict) -> None:
+        """Rank 0, after DCP finished on every rank: every file checked to be there with the
+        size its writer wrote, the marker last, then (and only then) prune."""
+        self.store.commit(url, marker, written, self.tokenizer_path)
+        try:
+            gone = self.store.prune(self.keep_last)
+        except Exception as e:  # the new snapshot is committed all the same
+            gone = []
+            log(self.env, f"warning: older snapshots could not be removed: {first_line(e)}")
         log(self.env, f"snapshot {redact_url(url)} committed"
                       + (f"; removed {len(gone)} older" if gone else ""))
 
-    def wait(self) -> None:
-        """Block until the snapshot in flight (if any) is committed."""
+    def wait(self) -> Optional[bool]:
+        """Block until the snapshot in flight (if any) is committed or has failed (collective,
+        like save). True / False: committed or not; None: nothing was in flight."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return
+            return None
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+        url, future = pending
+        error = None
         try:
-            pending.result()
+            future.result()
         except (Exception, CheckpointException) as e:
-            raise CheckpointError(f"writing a snapshot under {redact_url(self.store.root)!r} "
-                                  f"failed: {first_line(e)}") from e
+            error = e
+        return self._settle(url, error)
+
+    def _settle(self, url: str, error: Optional[BaseException]) -> bool:
+        """Collective, after every save: did every rank write, and rank 0 commit? A failed
+        snapshot loses nothing (no marker; its partial files are removed; the older snapshots
+        are untouched, since pruning follows a commit only): one warning line and the run goes
+        on, until `checkpoint.max_failed_saves` have failed in a row."""
+        why = None if error is None else integrity.cause_line(error)
+        why = next((w for w in self.env.gather_objects(why) if w), None)
+        if why is None:
+            self.failed_in_a_row = 0
+            self.committed_url = url
+            return True
+        self.failed_in_a_row += 1
+        newest = None
+        if self.env.is_master:
+            try:
+                self.store.remove(url)  # a partial snapshot: frees its space (disk full)
+                newest = next((s.url for s in reversed(self.store.snapshots()) if s.committed),
+                              None)
+            except Exception:  # the storage is failing: say what we know
+                pass
+        newest = self.env.broadcast_object(newest)
+        older = (f"the newest committed snapshot, {redact_url(newest)}, is intact" if newest
+                 else "no snapshot has been committed yet")
+        n, most = self.failed_in_a_row, self.max_failed_saves
+        if n >= most:
+            raise CheckpointError(
+                f"{n} snapshot(s) in a row could not be written (checkpoint.max_failed_saves="
+                f"{most}), the last {redact_url(url)}: {why}; {older}. Fix the storage (space, "
+                "permissions, quota) and run the same command to continue"
+                + (" from it" if newest else " (from step 0)"))
+        log(self.env, f"warning: snapshot {redact_url(url)} could not be written ({why}); it "
+                      f"was not committed and {older} ({n} failed in a row; the run stops at "
+                      f"checkpoint.max_failed_saves={most})")
+        return False
+
+    def outputs_failed(self, step: int, rank: dict, what: str) -> TrainingError:
+        """Collective, after rank 0 could not write the run's outputs (`what`: where, and why):
+        a snapshot of the last step unless one is committed already, and the error to raise.
+        The run dir stays unfinished (no summary.json), so the same command resumes from that
+        snapshot, trains nothing, and writes the outputs."""
+        url = self.store.url(step)
+        saved = url == self.committed_url
+        if not saved:
+            try:
+                saved = bool(self.save(step, rank, blocking=True))
+            except CheckpointError:  # the last of checkpoint.max_failed_saves: said already
+                saved = False
+        if saved:
+            then = (f"a snapshot of its last step, {redact_url(url)}, is committed: once that is "
+                    "fixed, the same command writes the model without training again")
+        else:
+            newest = None
+            if self.env.is_master:
+                newest = next((s.url for s in reversed(self.store.snapshots()) if s.committed),
+                              None)
+            newest = self.env.broadcast_object(newest)
+            then = ("once that is fixed, the same command " +
+                    (f"continues from {redact_url(newest)} and trains the steps after it again"
+                     if newest else "starts over from step 0 (no snapshot was committed)"))
+        return TrainingError(f"the final model could not be written to {what}; the run is not "
+                             f"finished; {then}")
 
     def report(self) -> dict:
         n = len(self.stalls)
@@ -201,30 +288,45 @@ class Snapshotter:
             raise {"ConfigError": ConfigError}.get(kind, CheckpointError)(msg)
         from torch.distributed.checkpoint.api import CheckpointException
         resumed = None
-        failures = []
-        for url, marker in plan["candidates"]:
+        failures, damaged = [], []
+        candidates = plan["candidates"]
+        for i, (url, marker) in enumerate(candidates):
             if marker.get("global_batch") != self.info["global_batch"]:
                 raise ConfigError(
                     f"snapshot {redact_url(url)} was trained with a global batch of "
                     f"{marker.get('global_batch')} sequences, this run has "
                     f"{self.info['global_batch']}; set trainer.global_batch_size="
                     f"{marker.get('global_batch')} to continue it exactly")
+            then = (f"falling back to {redact_url(candidates[i + 1][0])}"
+                    if i + 1 < len(candidates) else "no older snapshot to fall back to")
+            bad = self._verify_shares(url, marker)  # before anything of it is loaded
+            if bad:
+                damaged.append(url)
+                log(env, f"warning: skipping snapshot {redact_url(url)}: {bad}; {then}")
+                continue
             try:
                 self._load(url, marker)
             except (Exception, CheckpointException) as e:  # raised on every rank alike: DCP
                 # gathers the errors of all ranks (CheckpointException is a BaseException)
                 failures.append(url)
                 log(env, f"warning: skipping snapshot {redact_url(url)}: it cannot be loaded "
-                         f"({first_line(e)[:300]})")
+                         f"({integrity.cause_line(e)[:300]}); {then}")
                 continue
+            if integrity.recorded(marker) is None:
+                log(env, f"warning: snapshot {redact_url(url)} has no checksums (written before "
+                         "paratrain recorded them): its sizes were checked, its contents cannot "
+                         "be verified")
             same_world = marker["world_size"] == env.world_size
+            self.committed_url = url
             resumed = Resumed(url, int(marker["step"]), marker,
                               marker["ranks"][env.rank] if same_world else None,
                               int(marker["world_size"]))
             break
-        if failures and resumed is None:
-            raise CheckpointError(f"no snapshot could be loaded (tried {len(failures)}, newest "
-                                  f"{redact_url(failures[0])}); remove the damaged ones or pass "
+        named = self.cfg.checkpoint.resume not in ("auto", "never")
+        if resumed is None and (failures or damaged and named):
+            tried = failures + damaged
+            raise CheckpointError(f"no snapshot could be loaded (tried {len(tried)}, newest "
+                                  f"{redact_url(tried[0])}); remove the damaged ones or pass "
                                   "checkpoint.resume=never with another run.dir")
         if env.is_master:
             after = resumed.step if resumed else -1
@@ -265,6 +367,19 @@ class Snapshotter:
             raise CheckpointError(f"checkpoint.resume={redact_url(mode)!r} cannot be used: {why}")
         named = (named_store.url(step), named_store.marker(named_store.url(step)))
         return (found if attempt > 0 else []) + [named]  # type: ignore[list-item]
+
+    def _verify_shares(self, url: str, marker: dict) -> Optional[str]:
+        """Collective: each rank reads its share of the snapshot's shard files (file i by rank
+        i mod world size) against the checksums recorded when they were written; the first
+        mismatch any rank found (None: all match, or none were recorded)."""
+        sums = integrity.recorded(marker) or {}
+        names = sorted(n for n in sums if n.endswith(".distcp"))
+        mine = {n: sums[n] for n in names[self.env.rank::self.env.world_size]}
+        try:
+            found = self.store.mismatch(url, mine)
+        except Exception as e:  # unreadable: told to every rank, or they would wait in vain
+            found = f"it cannot be read ({integrity.cause_line(e)})"
+        return next((f for f in self.env.gather_objects(found) if f), None)
 
     def _load(self, url: str, marker: dict) -> None:
         import torch.distributed.checkpoint as dcp

@@ -11,11 +11,13 @@ One snapshot:
 
 Why a marker rather than a rename: object stores cannot rename a folder atomically, and one rule
 for every filesystem is easier to trust. Rank 0 writes the marker after DCP has finished on every
-rank (DCP's finish step, which writes `.metadata`, gathers every rank's write result first). A
-folder without a readable marker is not a snapshot: readers skip it. The marker holds the size
-of every other file, so a truncated file is caught before DCP reads it, and the small trainer
-state (step, sampler position, scheduler, RNG of every rank, resolved config) as JSON, so that
-our own state never goes through pickle.
+rank (DCP's finish step, which writes `.metadata`, gathers every rank's write result first),
+and only once every file a rank wrote is there with the size it wrote. A folder without a
+readable marker is not a snapshot: readers skip it. The marker holds the size and the checksum
+(integrity.py: computed while each file was written) of every other file, so a truncated or
+altered file is caught before it is used, and the small trainer state (step, sampler position,
+scheduler, RNG of every rank, resolved config) as JSON, so that our own state never goes
+through pickle.
 
 This module knows the layout and the storage, and is what `paratrain checkpoint inspect|export`
 use; snapshotter.py saves and restores a training run through it.
@@ -40,6 +42,7 @@ from ..data.tokenizer import TOKENIZER_FILE, TOKENIZER_FILES, tokenizer_files
 from ..errors import CheckpointError
 from ..fileio import atomic_write_path, atomic_write_text
 from ..redact import redact_url
+from . import integrity
 
 MARKER = "committed.json"
 FORMAT_VERSION = 1
@@ -129,7 +132,9 @@ class Store:
                 if k.startswith(base) and not k.endswith(MARKER)}
 
     def problem(self, url: str) -> Optional[str]:
-        """Why this snapshot cannot be used (None: it is committed and complete)."""
+        """Why this snapshot cannot be used (None: it is committed and complete). Sizes of every
+        file, checksums of the small ones (`.metadata`, tokenizer); the shards' checksums are
+        checked at resume by the ranks (snapshotter.py), or by `verify`."""
         marker = self.marker(url)
         if marker is None:
             return "it is not committed (no readable commit marker)"
@@ -141,29 +146,83 @@ class Store:
                 return f"{name} has {have[name]} bytes, {size} were written"
         if ".metadata" not in marker.get("files", {}):
             return "it has no DCP .metadata"
+        small = {n: c for n, c in (integrity.recorded(marker) or {}).items()
+                 if not n.endswith(".distcp")}
+        return self.mismatch(url, small)
+
+    def verify(self, url: str) -> tuple[bool, str]:
+        """(good, what was found): the marker, every file's size and every checksum, each file
+        read once (what `paratrain checkpoint verify` does)."""
+        why = self.problem(url)
+        if why:
+            return False, why
+        sums = integrity.recorded(self.marker(url) or {})
+        if sums is None:
+            return True, ("sizes match; no checksums (written before paratrain recorded them): "
+                          "its contents cannot be verified")
+        why = self.mismatch(url, sums)
+        return (False, why) if why else \
+            (True, f"all {len(sums)} files match their {integrity.ALGORITHM} checksums")
+
+    def mismatch(self, url: str, sums: dict[str, str]) -> Optional[str]:
+        """The first of these files whose bytes differ from its recorded checksum (None: all
+        match)."""
+        for name, want in sorted(sums.items()):
+            try:
+                integrity.check_file(self.fs, f"{self.path_of(url)}/{name}", name, want)
+            except integrity.ChecksumMismatch as e:
+                return str(e)
         return None
 
     def usable(self, warn: Callable[[str], None] = warnings.warn
                ) -> Iterator[tuple[Snapshot, dict]]:
         """Committed, complete snapshots, newest first; a committed one that is damaged is
-        reported through `warn`, naming it and why it was skipped."""
+        reported through `warn`, naming it, why it was skipped and what is used instead."""
+        skipped: list[tuple[Snapshot, str]] = []
+
+        def report(then: str) -> None:
+            for snap, why in skipped:
+                warn(f"skipping snapshot {redact_url(snap.url)}: {why}; {then}")
+            skipped.clear()
         for snap in reversed(self.snapshots()):
             if not snap.committed:
                 continue  # being written, or its writer died: not a snapshot (yet)
             why = self.problem(snap.url)
             if why:
-                warn(f"skipping snapshot {redact_url(snap.url)}: {why}")
+                skipped.append((snap, why))
                 continue
+            report(f"falling back to {redact_url(snap.url)}")
             yield snap, self.marker(snap.url)  # type: ignore[misc]
+        report("no older snapshot to fall back to")
 
     # ---- writing (global rank 0 only) ----------------------------------------------------
-    def commit(self, url: str, marker: dict, tokenizer_path: Optional[Path] = None) -> None:
-        """Write the commit marker, last; before it, nothing in `url` counts."""
+    def commit(self, url: str, marker: dict, written: dict[str, integrity.Written],
+               tokenizer_path: Optional[Path] = None) -> None:
+        """Write the commit marker, last; before it, nothing in `url` counts. `written`: every
+        file DCP's writers wrote (integrity.writer), each of which must be here with the size
+        it was written with: a node-local checkpoint.dir shows rank 0 only its own node's."""
         p = self.path_of(url)
+        files = dict(written)
         if tokenizer_path is not None and Path(tokenizer_path).is_file():
             for name, f in tokenizer_files(tokenizer_path).items():
-                self.fs.put_file(str(f), f"{p}/{name}")
-        marker = {"format": FORMAT_VERSION, **marker, "files": self.file_sizes(url)}
+                data = Path(f).read_bytes()
+                self.fs.pipe_file(f"{p}/{name}", data)
+                files[name] = integrity.Written(len(data), integrity.checksum_of(data), 0)
+        have = self.file_sizes(url)
+        for name, w in sorted(files.items()):
+            if name not in have:
+                raise CheckpointError(
+                    f"{name}, written by rank {w.rank}, is not visible from rank 0 under "
+                    f"{redact_url(url)}: checkpoint.dir must be storage that every node sees (a "
+                    "shared filesystem, or s3://...); a node-local folder holds only that "
+                    "node's shards")
+            if have[name] != w.size:
+                raise CheckpointError(f"{name} under {redact_url(url)} has {have[name]} bytes, "
+                                      f"{w.size} were written")
+        marker = {"format": FORMAT_VERSION, **marker,
+                  "files": {n: w.size for n, w in sorted(files.items())},
+                  "checksums": {"algorithm": integrity.ALGORITHM,
+                                "files": {n: w.checksum for n, w in sorted(files.items())}}}
         data = json.dumps(marker, indent=1)
         if self.local:
             atomic_write_text(Path(p) / MARKER, data)
@@ -207,14 +266,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def _reader(url: str) -> Any:
-    if is_url(url):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-        return FsspecReader(url)
-    from torch.distributed.checkpoint import FileSystemReader
-    return FileSystemReader(url)
-
-
 def split(path: str) -> tuple[Store, Optional[int]]:
     """A snapshot folder -> (its store, its step); any other folder -> (a store there, None)."""
     path = str(path).rstrip("/")
@@ -225,35 +276,6 @@ def split(path: str) -> tuple[Store, Optional[int]]:
     return Store(path), None
 
 
-def describe(path: str) -> dict:
-    """What `paratrain checkpoint inspect` prints for one snapshot folder. DCP's index (a
-    pickle) is read only from a committed, complete snapshot."""
-    store, step = split(path)
-    if step is None:
-        raise CheckpointError(f"{redact_url(path)!r} is not a snapshot folder (step-NNNNNNN)")
-    url = store.url(step)
-    if not store.fs.exists(store.path_of(url)):
-        raise CheckpointError(f"snapshot {redact_url(url)!r} does not exist")
-    why = store.problem(url)
-    out: dict = {"path": redact_url(url), "step": step, "committed": store.marker(url) is not None,
-                 "usable": why is None, "problem": why, "files": store.file_sizes(url)}
-    marker = store.marker(url)
-    if marker:
-        out.update({k: marker.get(k) for k in ("world_size", "strategy", "precision", "epoch",
-                                               "global_batch", "total_steps", "created")})
-    if why is None:
-        meta = _reader(url).read_metadata()
-        tensors = []
-        for fqn, md in sorted(meta.state_dict_metadata.items()):
-            if hasattr(md, "size"):  # a tensor; otherwise a small value (BytesStorageMetadata)
-                dtype = md.properties.dtype
-                numel = int(torch.Size(md.size).numel())
-                tensors.append({"name": fqn, "shape": list(md.size), "dtype": str(dtype),
-                                "bytes": numel * torch.empty((), dtype=dtype).element_size()})
-        out["tensors"] = tensors
-    return out
-
-
 def load_model_weights(path: str, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fill a plain model's state dict from a committed snapshot, in this one process (DCP
     reshards whatever world size wrote it)."""
@@ -261,8 +283,8 @@ def load_model_weights(path: str, template: dict[str, torch.Tensor]) -> dict[str
     store, step = split(path)
     if step is None:
         raise CheckpointError(f"{redact_url(path)!r} is not a snapshot folder (step-NNNNNNN)")
-    why = store.problem(store.url(step))
-    if why:
+    good, why = store.verify(store.url(step))  # every file, before any is loaded
+    if not good:
         raise CheckpointError(f"snapshot {redact_url(path)!r} cannot be used: {why}")
     state = {"model": template}
     with warnings.catch_warnings():
@@ -284,39 +306,6 @@ def resolve(path: str) -> str:
     raise CheckpointError(f"{redact_url(path)!r} holds no committed snapshot (a step-NNNNNNN folder "
                           f"with {MARKER}); pass a snapshot folder, a checkpoints folder or a "
                           "run dir")
-
-
-def listing(path: str) -> list[dict]:
-    """Every snapshot folder under a checkpoints folder or a run dir, oldest first."""
-    for root in (str(path).rstrip("/"), str(path).rstrip("/") + "/checkpoints"):
-        store = Store(root)
-        snaps = store.snapshots()
-        if snaps:
-            return [{"path": redact_url(s.url), "step": s.step, "committed": s.committed,
-                     "problem": store.problem(s.url), "bytes": sum(store.file_sizes(s.url).values())}
-                    for s in snaps]
-    raise CheckpointError(f"{redact_url(path)!r} holds no snapshot folders (step-NNNNNNN)")
-
-
-def format_description(d: dict) -> str:
-    state = "committed" if d["committed"] else "NOT committed"
-    lines = [f"snapshot {d['path']}",
-             f"  step {d['step']}, {state}" + ("" if d["usable"] else f", unusable: {d['problem']}")]
-    if d.get("world_size") is not None:
-        lines.append(f"  saved by {d['world_size']} worker(s), strategy {d.get('strategy')}, "
-                     f"precision {d.get('precision')}, global batch {d.get('global_batch')}, "
-                     f"created {d.get('created')}")
-    lines.append(f"  files: {len(d['files'])}, {sum(d['files'].values()):,} bytes")
-    tensors = d.get("tensors")
-    if tensors:
-        total = sum(t["bytes"] for t in tensors)
-        lines.append(f"  tensors: {len(tensors)}, {total:,} bytes")
-        width = max(len(t["name"]) for t in tensors)
-        for t in tensors:
-            shape = "x".join(str(n) for n in t["shape"]) or "scalar"
-            lines.append(f"    {t['name']:<{width}}  {shape:>12}  {t['dtype']:<14} "
-                         f"{t['bytes']:>12,}")
-    return "\n".join(lines)
 
 
 def export_snapshot(path: str, out: str | Path) -> Path:

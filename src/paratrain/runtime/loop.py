@@ -76,6 +76,7 @@ class TrainLoop:
                               self.micro_batch, task.collate, cfg, env)
         self.snapshots = snapshots
         self.pending_loss = (0.0, 0.0)  # this rank's loss sum and units since the last log line
+        self.last: dict = {}  # the last log line (a snapshot of the last step carries it)
         tr = cfg.trainer
         self.best = BestTracker(tr.early_stopping_patience, tr.early_stopping_threshold)
         self.on_best = on_best  # called (on every rank) after an evaluation that is the best
@@ -96,12 +97,19 @@ class TrainLoop:
                                       "position": done * self.global_batch // self.env.world_size})
         # the best evaluation so far is the same on every rank: any rank's copy will do
         self.best.load_state_dict((resumed.rank or resumed.loop["ranks"][0]).get("best", {}))
+        self.last = dict((resumed.rank or resumed.loop["ranks"][0]).get("last") or {})
         if resumed.rank is not None:
             self.pending_loss = (resumed.rank["loss_sum"], resumed.rank["count"])
         elif self.env.is_master:  # another world size: the window's sums move to rank 0
             ranks = resumed.loop["ranks"]
             self.pending_loss = (sum(r["loss_sum"] for r in ranks),
                                  sum(r["count"] for r in ranks))
+
+    def rank_state(self, loss_sum: float = 0.0, count: float = 0.0) -> dict:
+        """This rank's part of a snapshot (JSON): its loss sums since the last log line (0 right
+        after one), the best evaluation so far and the last log line."""
+        return {"loss_sum": loss_sum, "count": count, "best": self.best.state_dict(),
+                "last": self.last}
 
     def record_evaluation(self, val_loss: Optional[float]) -> None:
         """Track the best validation loss; a new best goes to `on_best` (keep_best saves it)."""
@@ -126,7 +134,7 @@ class TrainLoop:
         loss_sum, count = self.pending_loss  # since the last log line, this rank
         slog = MetricsLog(cfg.run_dir / "samples.jsonl"
                                   if env.is_master and self.recorder is not None else None)
-        last: dict = {}
+        last: dict = dict(self.last)
         batches = self._micro_batches()
         t0 = t_step = time.perf_counter()
         c_step = time.process_time()
@@ -137,8 +145,7 @@ class TrainLoop:
                     bar.write(stop_line(self.stopped_by, self.step))
                     if self.snapshots is not None:
                         if saved_at != self.step:
-                            self.snapshots.save(self.step, {"loss_sum": loss_sum, "count": count,
-                                                            "best": self.best.state_dict()},
+                            self.snapshots.save(self.step, self.rank_state(loss_sum, count),
                                                 blocking=True)
                         self.snapshots.wait()  # committed before this rank leaves
                     break
@@ -168,6 +175,7 @@ class TrainLoop:
                         last.update(self.val_metrics)
                         self.record_evaluation(last["val_loss"])
                     mlog.write(last)
+                    self.last = last
                     bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}")
                 bar.update(1)
                 if tr.verbose and self.step % self.steps_per_epoch == 0 \
@@ -180,8 +188,7 @@ class TrainLoop:
                 if self.snapshots is not None and self.snapshots.should_save(self.step):
                     # this rank's loss sums since the last log line: the next logged loss
                     # comes out the same after a resume
-                    self.snapshots.save(self.step, {"loss_sum": loss_sum, "count": count,
-                                                    "best": self.best.state_dict()})
+                    self.snapshots.save(self.step, self.rank_state(loss_sum, count))
                     saved_at = self.step
                 now = time.perf_counter()
                 self.step_times.append(now - t_step)

@@ -17,6 +17,7 @@ from ..checkpoint.snapshotter import Resumed, Snapshotter
 from ..config import TrainConfig
 from ..dist import DistEnv
 from ..fileio import atomic_write_json, replace_dir
+from ..formatting import first_line
 from ..launch import watchdog
 from ..launch.preemption import StopSignals
 from ..models import count_params
@@ -124,18 +125,28 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
                               snapshots.report(), memory, time.perf_counter() - t_start,
                               history)
         summary.update(val_metrics)
+        unwritten = None  # why rank 0 could not write the outputs (disk full, ...)
         if env.is_master:
-            if keep_best:
-                for name in [p.name for p in best_dir.iterdir()]:  # model/ (and adapter/)
-                    replace_dir(best_dir / name, cfg.run_dir / name)
+            try:
+                if keep_best:
+                    for name in [p.name for p in best_dir.iterdir()]:  # model/ (and adapter/)
+                        replace_dir(best_dir / name, cfg.run_dir / name)
+                else:
+                    task.save(plan.parallelism.unwrap(model), cfg.run_dir / MODEL_DIR, state)
+                shutil.rmtree(best_dir, ignore_errors=True)
+                atomic_write_json(cfg.run_dir / "summary.json", summary)  # finished: last
+            except Exception as e:  # OSError, or a writer's own (safetensors: SafetensorError)
+                unwritten = f"{type(e).__name__}: {first_line(e)}"
             else:
-                task.save(plan.parallelism.unwrap(model), cfg.run_dir / MODEL_DIR, state)
-            shutil.rmtree(best_dir, ignore_errors=True)
-            atomic_write_json(cfg.run_dir / "summary.json", summary)
-            records.finish(summary)  # memory per rank to the sinks; report.png
-            log(env, f"done in {summary['wall_s']:.1f} s: final loss "
-                     f"{summary['final_loss']:.4f}; outputs in {cfg.run_dir}")
-        env.barrier()  # nobody leaves before rank 0 has written the model
+                records.finish(summary)  # memory per rank to the sinks; report.png
+                log(env, f"done in {summary['wall_s']:.1f} s: final loss "
+                         f"{summary['final_loss']:.4f}; outputs in {cfg.run_dir}")
+        # nobody leaves before rank 0 has written the model; if it could not, a snapshot of the
+        # last step (every rank) lets the same command write it without training again
+        unwritten = env.broadcast_object(unwritten)
+        if unwritten:
+            raise snapshots.outputs_failed(loop.step, loop.rank_state(),
+                                           f"{cfg.run_dir / MODEL_DIR} ({unwritten})")
         return {"summary": summary, "run_dir": str(cfg.run_dir), "is_master": env.is_master,
                 "stopped_by": 0}
     except Exception as e:
