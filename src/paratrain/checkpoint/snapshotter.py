@@ -30,6 +30,7 @@ from ..records.console import log
 from ..redact import redact_secrets, redact_url
 from ..runplan import RunPlan
 from . import store
+from .rundir import unloadable_message
 from .store import Store
 
 # A one-process run saves with no process group, on purpose; DCP says so once per save, from its
@@ -213,7 +214,7 @@ class Snapshotter:
                 self._load(url, marker)
             except (Exception, CheckpointException) as e:  # raised on every rank alike: DCP
                 # gathers the errors of all ranks (CheckpointException is a BaseException)
-                failures.append(url)
+                failures.append((url, marker))
                 log(env, f"warning: skipping snapshot {redact_url(url)}: it cannot be loaded "
                          f"({first_line(e)[:300]})")
                 continue
@@ -222,10 +223,8 @@ class Snapshotter:
                               marker["ranks"][env.rank] if same_world else None,
                               int(marker["world_size"]))
             break
-        if failures and resumed is None:
-            raise CheckpointError(f"no snapshot could be loaded (tried {len(failures)}, newest "
-                                  f"{redact_url(failures[0])}); remove the damaged ones or pass "
-                                  "checkpoint.resume=never with another run.dir")
+        if failures and resumed is None:  # a setting changed since, or damaged files
+            raise CheckpointError(unloadable_message(failures, self.cfg))
         if env.is_master:
             after = resumed.step if resumed else -1
             for s in self.store.snapshots():
