@@ -60,22 +60,28 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from .models.files import model_dir_of
     from .models.generate import GenerateOptions
     from .tasks import registry
+    data = _run_data(ns.run_dir)
     opts = GenerateOptions(
         run_dir=ns.run_dir, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
         top_k=ns.top_k or None, seed=ns.seed, bos=ns.bos,
-        device=ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    spec = registry.get(_run_format(ns.run_dir) or "packed", key=f"{ns.run_dir}'s data.format")
+        device=ns.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        system_prompt=data.get("system_prompt") if ns.system_prompt is None
+        else ns.system_prompt or None,
+        chat_template=data.get("chat_template", "none") != "none")
+    spec = registry.get(data.get("format") or "packed", key=f"{ns.run_dir}'s data.format")
     print(spec.generator()(model_dir_of(ns.run_dir), ns.prompt, opts))
     return 0
 
 
-def _run_format(run_dir: str) -> Optional[str]:
-    """The run's data.format from its config.yaml (None for a bare model/ folder)."""
+def _run_data(run_dir: str) -> dict:
+    """The run's data.* keys from its config.yaml ({} for a bare model/ folder)."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
     cfg_file = Path(run_dir) / "config.yaml"
-    return OmegaConf.load(cfg_file).get("data", {}).get("format") if cfg_file.is_file() else None
+    if not cfg_file.is_file():
+        return {}
+    return OmegaConf.to_container(OmegaConf.load(cfg_file)).get("data", {})  # type: ignore
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
@@ -202,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
     g.add_argument("--bos", action="store_true",
                    help="start with [BOT], as padded-format training saw documents start")
+    g.add_argument("--system-prompt", default=None,
+                   help="fine-tuned runs with a chat template: the system turn (default: the "
+                        "run's data.system_prompt; '' for none)")
     g.set_defaults(func=cmd_generate)
 
     pl = sub.add_parser("plan", help="memory per device for each strategy, and auto's pick",

@@ -15,7 +15,13 @@ from typing import Any, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .config_checks import parse_nnodes, resolve_tokenizer, validate
+from .config_checks import (
+    default_run_name,
+    parse_nnodes,
+    resolve_max_length,
+    resolve_tokenizer,
+    validate,
+)
 from .errors import ConfigError
 from .formatting import first_line
 from .redact import redact_secrets
@@ -23,7 +29,7 @@ from .redact import redact_secrets
 
 @dataclass
 class RunConfig:
-    name: str = "stdlib-llama"
+    name: Optional[str] = None  # null: stdlib-llama, or for fine-tuning <model folder>-<format>
     dir: Optional[str] = None  # default: runs/<name>
     overwrite: bool = False  # allow writing into a run dir that holds another run
 
@@ -34,8 +40,16 @@ class LoraConfig:
     r: int = 0  # rank of the adapters; 0: off (full fine-tuning)
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: List[str] = field(
+    # module names (a bare name is a list of one) or "all-linear"; each name must match a module
+    target_modules: Any = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # passed to peft's LoraConfig as they are:
+    bias: str = "none"  # none | all | lora_only: which biases are trained
+    modules_to_save: Optional[List[str]] = None  # modules trained in full beside the adapters
+    use_dora: bool = False  # weight-decomposed LoRA
+    use_rslora: bool = False  # scale by alpha/sqrt(r) instead of alpha/r
+    init_lora_weights: Any = True  # true | false | gaussian | pissa | olora | loftq | ...
+    layers_to_transform: Optional[List[int]] = None  # only these layer indices get adapters
 
 
 @dataclass
@@ -54,6 +68,8 @@ class ModelConfig:
     dropout: float = 0.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    init: str = "gpt2"  # llama / gpt: gpt2 (N(0, 0.02), scaled residual projections) | torch
+    # (each layer's own default, as a model written with plain nn.Linear / nn.Embedding gets)
     lora: LoraConfig = field(default_factory=LoraConfig)  # hf models: adapters instead of weights
 
 
@@ -75,13 +91,17 @@ class DataConfig:
     output_field: str = "output"  # pairs: the answer's field; the loss counts only its tokens
     messages_field: str = "messages"  # chat: [{role, content}, ...]; loss on assistant turns
     val_source: Optional[str] = None  # pairs / chat: a validation file (else val_fraction)
-    max_length: int = 1024  # pairs / chat: tokens per example (the input is cut from the left)
+    # pairs / chat / classify: tokens per example (pairs: the input is cut from the left); null:
+    # the model's max_position_embeddings (see config_checks.resolve_max_length)
+    max_length: Optional[int] = None
     chat_template: str = "auto"  # auto (the tokenizer's, if any) | none | PATH to a jinja file
     system_prompt: Optional[str] = None  # pairs / chat rendered with a chat template
     val_fraction: float = 0.02
     max_bytes: Optional[int] = None  # read at most this much text (documents in sorted order)
     cache_dir: Optional[str] = None  # default: $XDG_CACHE_HOME/paratrain or ~/.cache/paratrain
     num_workers: int = 0  # DataLoader worker processes per rank
+    shuffle: bool = True  # a new seeded order every epoch; false: the data's own order
+    drop_last: bool = True  # false: an epoch's last, short global batch is a step of its own
 
 
 @dataclass
@@ -107,17 +127,34 @@ class TrainerConfig:
     early_stopping_patience: Optional[int] = None  # stop after N evaluations without improvement
     early_stopping_threshold: float = 0.0  # an improvement lowers the validation loss by more
     keep_best: bool = False  # the output is the weights of the best evaluation, not the last
+    label_smoothing: float = 0.0  # token / text cross-entropy while training (not validation)
+    neftune_noise_alpha: Optional[float] = None  # fine-tuning: NEFTune noise on the embeddings
 
 
 @dataclass
 class OptimConfig:
+    """The optimizer and the learning-rate schedule (runtime/optim.py)."""
+    name: str = "adamw"  # adamw | adafactor | sgd | adamw-8bit (needs bitsandbytes)
     lr: float = 2e-3
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.1
+    decay_norms_and_biases: bool = False  # false: weight decay on matrices only (>= 2-D)
     eps: float = 1e-8
+    momentum: float = 0.0  # sgd only
+    fused: Optional[bool] = None  # adamw: null: fused on CUDA, foreach elsewhere
+    schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup, stable, decay)
     warmup_steps: int = 20
-    min_lr: float = 2e-4
+    warmup_ratio: Optional[float] = None  # set: warmup = this fraction of the run's steps
+    warmup_start_factor: Optional[float] = None  # warmup from lr x this to lr (torch's
+    # LinearLR; 0: HF Trainer's); null: step k of W uses lr x (k+1)/W
+    decay_ratio: float = 0.1  # wsd: the fraction of the run's steps spent decaying at the end
+    min_lr: Optional[float] = None  # where the decay ends; null: lr / 10
     grad_clip: float = 1.0  # 0 disables clipping
+
+    @property
+    def floor_lr(self) -> float:
+        """min_lr, or lr / 10 when unset."""
+        return self.lr / 10 if self.min_lr is None else self.min_lr
 
 
 @dataclass
@@ -226,6 +263,8 @@ class TrainConfig:
             raise ConfigError(_omegaconf_message(e)) from None
         cfg = OmegaConf.to_object(merged)
         assert isinstance(cfg, TrainConfig)
+        if cfg.run.name is None:  # decided here, once: config.yaml shows it
+            cfg.run.name = default_run_name(cfg)
         validate(cfg)
         return cfg
 
@@ -234,8 +273,10 @@ class TrainConfig:
         return cls.from_layers(OmegaConf.create(d))
 
     def with_overrides(self, overrides: Sequence[str]) -> "TrainConfig":
-        return TrainConfig.from_layers(OmegaConf.structured(self),
-                                       OmegaConf.from_dotlist(list(overrides)))
+        base = OmegaConf.structured(self)
+        if self.run.name == default_run_name(self):  # a derived name follows the new keys
+            base.run.name = None
+        return TrainConfig.from_layers(base, OmegaConf.from_dotlist(list(overrides)))
 
     def to_dict(self) -> dict:
         return OmegaConf.to_container(OmegaConf.structured(self), resolve=True)  # type: ignore
@@ -254,6 +295,11 @@ class TrainConfig:
         """`data` with data.tokenizer resolved (`auto` decided): what a corpus's token cache is
         built from and keyed by."""
         return replace(self.data, tokenizer=resolve_tokenizer(self.data, self.model))
+
+    @property
+    def max_length(self) -> int:
+        """data.max_length, or the model's own limit when unset (config_checks)."""
+        return resolve_max_length(self.data, self.model)
 
     @property
     def cache_dir(self) -> Path:

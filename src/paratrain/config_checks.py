@@ -7,11 +7,12 @@ attribute, so it imports nothing from config.py (no cycle).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from .errors import ConfigError
 from .formatting import one_of
@@ -25,6 +26,15 @@ TOKENIZERS = ("auto", "bpe", "char")
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                      "spiece.model", "vocab.txt")
 BACKENDS = ("auto", "gloo", "nccl")
+OPTIMIZERS = ("adamw", "adafactor", "sgd", "adamw-8bit")
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+INITS = ("gpt2", "torch")
+LORA_BIASES = ("none", "all", "lora_only")
+PRETRAINING_RUN_NAME = "stdlib-llama"  # run.name of a run that fine-tunes nothing
+# The context length a transformers config.json states, under the names models use for it.
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
+                 "n_ctx")
+FALLBACK_MAX_LENGTH = 1024  # data.max_length when the model's config states no limit
 
 
 def parse_nnodes(value: Any) -> tuple[int, int]:
@@ -57,10 +67,94 @@ def resolve_tokenizer(data: Any, model: Any = None) -> str:
     return "bpe"
 
 
+def default_run_name(cfg: Any) -> str:
+    """run.name when unset: a fine-tuning run is named after its model folder and data.format
+    (`my-model-pairs`, `-lora` with adapters), so that two fine-tunes of different models, or of
+    one model on different tasks, do not land in one run dir; anything else is stdlib-llama."""
+    spec = registry.get(cfg.data.format) if cfg.data.format in registry.names() else None
+    if spec is None or not spec.pretrained or not cfg.model.path:
+        return PRETRAINING_RUN_NAME
+    folder = Path(cfg.model.path).expanduser()
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", (folder.name or folder.resolve().name)).strip("-.")
+    return f"{stem or 'model'}-{cfg.data.format}" + ("-lora" if cfg.model.lora.r else "")
+
+
+def model_positions(path: Optional[str]) -> Optional[int]:
+    """The longest sequence model.path's config.json says the model takes (None: not stated)."""
+    info = model_config(path) if path else {}
+    for key in POSITION_KEYS:
+        if isinstance(info.get(key), int) and not isinstance(info.get(key), bool):
+            return info[key]
+    return None
+
+
+def resolve_max_length(data: Any, model: Any) -> int:
+    """data.max_length, decided here: the value given, else the model's own limit (its
+    config.json's max_position_embeddings), else FALLBACK_MAX_LENGTH."""
+    if data.max_length is not None:
+        return int(data.max_length)
+    limit = model_positions(model.path) if model.arch == "hf" else None
+    return limit or FALLBACK_MAX_LENGTH
+
+
 def has_tokenizer(folder: str | os.PathLike) -> bool:
     """The folder holds a tokenizer saved with save_pretrained (one of TOKENIZER_MARKERS)."""
     p = Path(folder).expanduser()
     return p.is_dir() and any((p / name).is_file() for name in TOKENIZER_MARKERS)
+
+
+def model_config(path: Optional[str]) -> dict:
+    """model.path's config.json as a dict ({} when missing or broken: loading says why)."""
+    p = Path(str(path)).expanduser()
+    try:
+        info = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def check_weights(folder: str | os.PathLike) -> None:
+    """Refuse, before any worker starts, a safetensors file in model.path that cannot be read
+    whole: its header must parse and its tensors must end within the file (a download or copy
+    cut short fails here, naming the file, not in a worker)."""
+    p = Path(folder).expanduser()
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ConfigError(f"{index} is damaged (not a safetensors index with a weight_map); "
+                              "copy the model folder again") from None
+        files = [p / name for name in shards]
+    else:
+        files = [p / "model.safetensors"] if (p / "model.safetensors").exists() else []
+    for f in files:
+        problem = _safetensors_problem(f)
+        if problem:
+            raise ConfigError(f"model.path's weights {f} are damaged: {problem}; copy or "
+                              "download the model folder again")
+
+
+def _safetensors_problem(f: Path) -> Optional[str]:
+    """What is wrong with one safetensors file, from its header alone (None: nothing)."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                return f"the file is {size:,} bytes, too short for its header (cut short?)"
+            header = json.loads(fh.read(n))
+    except FileNotFoundError:
+        return "the file is missing"
+    except (OSError, ValueError) as e:
+        return f"its header cannot be read ({type(e).__name__})"
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        return f"the file is {size:,} bytes but its tensors need {need:,} (cut short?)"
+    return None
 
 
 def has_weights(folder: str | os.PathLike) -> bool:
@@ -120,15 +214,8 @@ def validate(cfg: Any) -> None:
                           "BPE tokenizer (256 bytes + special tokens); use at least 260")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
-    o = cfg.optim
-    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        raise ConfigError(f"optim.lr={o.lr} must be positive and optim.min_lr={o.min_lr} "
-                          "between 0 and optim.lr")
-    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
-    if o.warmup_steps < 0 or o.weight_decay < 0 or o.grad_clip < 0:
-        raise ConfigError("optim.warmup_steps, optim.weight_decay and optim.grad_clip "
-                          "must be >= 0")
+    _check_optim(cfg.optim)
+    _check_trainer_knobs(cfg, spec)
     if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep_last >= 1")
     if cfg.checkpoint.max_failed_saves < 1:
@@ -156,12 +243,68 @@ def validate(cfg: Any) -> None:
                 and not Path(p).expanduser().is_file():
             raise ConfigError(f"model.arch=hf needs model.path, a local directory with a "
                               f"config.json (got {p!r}); nothing is downloaded")
+        if Path(p).expanduser().is_dir():
+            check_weights(p)
         if not spec.pretrained:
             _check_hf_corpus_tokenizer(cfg)
         return
     # Model shape checks need the preset applied; models.presets does them (ConfigError too).
     resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
                          seq_length=cfg.data.seq_length)
+
+
+def _check_optim(o: Any) -> None:
+    """optim.*: the optimizer, the schedule and their numbers (the fix in each line)."""
+    _choice("optim.name", o.name, OPTIMIZERS)
+    _choice("optim.schedule", o.schedule, SCHEDULES)
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr={o.lr} must be positive")
+    if o.min_lr is not None and not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be between 0 and optim.lr={o.lr} (the "
+                          f"decay ends there); leave it unset for lr/10 ({o.lr / 10:g}) or pass "
+                          "optim.min_lr=0 to decay to zero")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
+    if o.warmup_steps < 0 or o.weight_decay < 0 or o.grad_clip < 0 or o.momentum < 0:
+        raise ConfigError("optim.warmup_steps, optim.weight_decay, optim.grad_clip and "
+                          "optim.momentum must be >= 0")
+    if o.warmup_ratio is not None and not 0.0 <= o.warmup_ratio < 1.0:
+        raise ConfigError(f"optim.warmup_ratio={o.warmup_ratio} must be in [0, 1) (a fraction "
+                          "of the run's steps), or null to use optim.warmup_steps")
+    if o.warmup_start_factor is not None and not 0.0 <= o.warmup_start_factor <= 1.0:
+        raise ConfigError(f"optim.warmup_start_factor={o.warmup_start_factor} must be in [0, 1]: "
+                          "the warmup starts at lr x this (0: HF Trainer's; 0.1: "
+                          "LinearLR(start_factor=0.1)), or null for lr x 1/warmup_steps")
+    if not 0.0 < o.decay_ratio <= 1.0:
+        raise ConfigError(f"optim.decay_ratio={o.decay_ratio} must be in (0, 1]: the fraction "
+                          "of the run's steps that optim.schedule=wsd spends decaying")
+    if o.fused and o.name != "adamw":
+        raise ConfigError(f"optim.fused applies to optim.name=adamw, not {o.name}; leave it "
+                          "null")
+    if o.name == "adamw-8bit" and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("optim.name=adamw-8bit needs the bitsandbytes package (pip install "
+                          "bitsandbytes; CUDA); optim.name=adafactor is the memory-light "
+                          "optimizer that needs nothing more")
+
+
+def _check_trainer_knobs(cfg: Any, spec: registry.TaskSpec) -> None:
+    """trainer.label_smoothing, trainer.neftune_noise_alpha and model.init: where they apply."""
+    tr = cfg.trainer
+    if not 0.0 <= tr.label_smoothing < 1.0:
+        raise ConfigError(f"trainer.label_smoothing={tr.label_smoothing} must be in [0, 1)")
+    if tr.neftune_noise_alpha is not None:
+        if tr.neftune_noise_alpha < 0:
+            raise ConfigError(f"trainer.neftune_noise_alpha={tr.neftune_noise_alpha} must be "
+                              ">= 0 (HF's recipes use 5), or null for none")
+        if not spec.pretrained:
+            raise ConfigError("trainer.neftune_noise_alpha adds noise to a pretrained model's "
+                              "input embeddings while fine-tuning it: use it with data.format="
+                              + one_of(registry.names(pretrained=True)))
+    _choice("model.init", cfg.model.init, INITS)
+    if cfg.model.init != "gpt2" and cfg.model.arch == "hf":
+        raise ConfigError("model.init sets how our llama / gpt models start; a Hugging Face "
+                          "model (model.arch=hf) loads its weights, or its own init without "
+                          "them: leave model.init unset")
 
 
 def _check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
@@ -187,11 +330,8 @@ def _check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
                               "checkpoint export RUN_DIR OUT --format hf`")
         for check in spec.checks:
             check(cfg)
-        if cfg.model.lora.r < 0 or not cfg.model.lora.target_modules:
-            raise ConfigError("model.lora.r must be >= 0 (0: off) and model.lora.target_modules "
-                              "a non-empty list of module names")
-        if d.max_length < 2:
-            raise ConfigError(f"data.max_length={d.max_length} must be at least 2")
+        _check_lora(cfg.model.lora)
+        _check_max_length(cfg)
         if d.tokenizer != "auto" and not Path(d.tokenizer).expanduser().is_dir():
             raise ConfigError(f"data.tokenizer={d.tokenizer!r}" + (
                 " trains a new tokenizer" if d.tokenizer in TOKENIZERS else
@@ -209,6 +349,43 @@ def _check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
                           "saved with save_pretrained)")
 
 
+def lora_targets(lora: Any) -> Any:
+    """model.lora.target_modules as peft takes it: a list of names (a bare name is a list of
+    one), or peft's own "all-linear"."""
+    t = lora.target_modules
+    if isinstance(t, str):
+        return t if t == "all-linear" else [t]
+    return list(t) if isinstance(t, (list, tuple)) else t
+
+
+def _check_lora(lora: Any) -> None:
+    targets = lora_targets(lora)
+    if lora.r < 0:
+        raise ConfigError(f"model.lora.r={lora.r} must be >= 0 (0: off, full fine-tuning)")
+    if not targets or not (targets == "all-linear" or all(
+            isinstance(t, str) and t for t in targets)):
+        raise ConfigError(f"model.lora.target_modules={lora.target_modules!r} must be module "
+                          "names, e.g. [q_proj,v_proj] (a single name works too), or all-linear")
+    _choice("model.lora.bias", lora.bias, LORA_BIASES)
+    if lora.layers_to_transform is not None and not lora.layers_to_transform:
+        raise ConfigError("model.lora.layers_to_transform=[] gives adapters to no layer; list "
+                          "layer indices, or leave it null for every layer")
+
+
+def _check_max_length(cfg: Any) -> None:
+    """data.max_length fits the model's positions (one line naming both numbers)."""
+    d = cfg.data
+    limit = model_positions(cfg.model.path)
+    length = resolve_max_length(d, cfg.model)
+    if length < 2:
+        raise ConfigError(f"data.max_length={length} must be at least 2")
+    if limit is not None and length > limit:
+        raise ConfigError(f"data.max_length={length} is longer than model.path's "
+                          f"max_position_embeddings={limit} (its config.json); the model has no "
+                          f"positions beyond that: pass data.max_length={limit} or less, or "
+                          "leave it unset (the model's limit)")
+
+
 def _check_hf_corpus_tokenizer(cfg: Any) -> None:
     """A pretrained model on a corpus reads the ids of its own tokenizer (auto), or of a folder
     given; a tokenizer trained here (bpe) must at least fit in its embeddings."""
@@ -221,12 +398,7 @@ def _check_hf_corpus_tokenizer(cfg: Any) -> None:
                 "" if has_weights(path) else " (or data.tokenizer=bpe to train one on the "
                 "corpus: the folder holds no weights, so nothing pretrained is lost)"))
     if d.tokenizer == "bpe":
-        config = Path(path).expanduser()
-        config = config / "config.json" if config.is_dir() else config
-        try:
-            model_vocab = json.loads(config.read_text()).get("vocab_size")
-        except (OSError, ValueError, AttributeError):
-            model_vocab = None  # models.hf says what is wrong with it
+        model_vocab = model_config(path).get("vocab_size")  # broken: models.hf says why
         if isinstance(model_vocab, int) and d.vocab_size > model_vocab:
             raise ConfigError(
                 f"data.tokenizer=bpe trains a vocabulary of data.vocab_size={d.vocab_size}, more "

@@ -65,7 +65,7 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     loggers.check_log_config(cfg.log)  # log.wandb=true without wandb: say so now
     replicas = parallelism.replicas_per_process(len(devices))
     accum, global_batch = batch_plan(tr.batch_size, world_size * replicas, tr.global_batch_size)
-    per_epoch = steps_per_epoch(len(task.train_ds), global_batch, task)
+    per_epoch = steps_per_epoch(len(task.train_ds), global_batch, task, cfg.data.drop_last)
     ranks_here = ranks_on_host or local_world_size
     return RunPlan(
         cfg=cfg, devices=tuple(str(d) for d in devices),
@@ -97,10 +97,13 @@ def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.
     return choose(rows, device_capacity(device, local_world_size))
 
 
-def steps_per_epoch(n_samples: int, global_batch: int, task: Any = None) -> int:
-    """Optimizer steps in one pass over the training set, or a DataError (the task's own words)
-    when the data cannot fill one global batch."""
-    steps = n_samples // global_batch
+def steps_per_epoch(n_samples: int, global_batch: int, task: Any = None,
+                    drop_last: bool = True) -> int:
+    """Optimizer steps in one pass over the training set (`drop_last` False: the short last
+    global batch is one more), or a DataError (the task's own words) when the data cannot fill
+    one global batch."""
+    steps = n_samples // global_batch if drop_last or n_samples < global_batch else \
+        -(-n_samples // global_batch)
     if steps < 1:
         raise DataError(task.shortage_message(global_batch) if task is not None else
                         f"{n_samples} samples are fewer than one global batch of {global_batch}")

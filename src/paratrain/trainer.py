@@ -64,9 +64,9 @@ class Trainer:
     labels (strings or ints), or {"text", "label"} records. `task=` may also be a Task object
     of your own (tasks/base.py: the model, data, loss, frozen models and how to save), trained
     as it is. Keyword arguments set `trainer.*`
-    and `optim.*` keys by name (devices=, strategy=, batch_size=, lr=, ...), plus `run_dir=`,
-    `run_name=`, `overwrite=`; `distributed_config={...}` sets `distributed.*`; `overrides=[...]`
-    takes dotted keys."""
+    and `optim.*` keys by name (devices=, strategy=, batch_size=, lr=, ...; optim.name is
+    `optimizer=`), plus `run_dir=`, `run_name=`, `overwrite=`; `distributed_config={...}` sets
+    `distributed.*`; `overrides=[...]` takes dotted keys."""
 
     def __init__(self, cfg: Optional[TrainConfig] = None, *, overrides: Sequence[str] = (),
                  model: Optional[Callable[[], nn.Module]] = None, train_data: Any = None,
@@ -102,12 +102,13 @@ class Trainer:
             cfg = cfg.with_overrides(finetune)
         sections = {**{k: "trainer" for k in TrainConfig().trainer.__dataclass_fields__},
                     **{k: "optim" for k in TrainConfig().optim.__dataclass_fields__},
-                    "run_dir": "run.dir", "run_name": "run.name", "overwrite": "run.overwrite"}
+                    "run_dir": "run.dir", "run_name": "run.name", "overwrite": "run.overwrite",
+                    "optimizer": "optim.name"}
+        del sections["name"]  # optim.name is optimizer=: name= would read as the run's
         dotted = list(overrides)
         for k, v in kwargs.items():
             if k not in sections:
-                raise ConfigError(f"Trainer() got an unknown argument {k!r}; it takes trainer "
-                                  f"and optim keys by name: {', '.join(sorted(sections))}")
+                raise ConfigError(_unknown_keyword(k, v, sorted(sections)))
             key = sections[k] if "." in sections[k] else f"{sections[k]}.{k}"
             dotted.append(f"{key}={_dot_value(v)}")
         for k, v in (distributed_config or {}).items():
@@ -250,7 +251,7 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
                           "pairs, or chat for records with messages)")
     default = registry.DEFAULT_RECORDS
     train_input, train_output, val_input, val_output = lists
-    over = ["model.arch=hf", f"model.path={model_dir}", "run.name=finetune"]
+    over = ["model.arch=hf", f"model.path={model_dir}"]  # run.name: <model folder>-<task>
     if train_input is not None or train_output is not None:
         fields = registry.get(task or default).record_fields
         fields = fields if len(fields) == 2 else registry.get(default).record_fields
@@ -271,6 +272,19 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
     first = train[0] if train and isinstance(train[0], dict) else {}
     kind = task or registry.recognize(first).name
     return TaskRecords(train, val), over + [f"data.format={kind}"]
+
+
+def _unknown_keyword(name: str, value: Any, known: list[str]) -> str:
+    """The line for a keyword Trainer does not take; when it names a key of another section
+    (lora= is model.lora.r, shuffle= is data.shuffle), the overrides= spelling that works."""
+    from .formatting import flatten
+    keys = flatten(TrainConfig().to_dict())
+    dotted = [k for k in keys if k.endswith("." + name)] or \
+        [f"{k.rsplit('.', 1)[0]}.r" for k in keys if k.endswith(f".{name}.r")]
+    hint = (f"; it is the config key {dotted[0]}: pass overrides=[\"{dotted[0]}="
+            f"{_dot_value(value)}\"]" if dotted else "")
+    return (f"Trainer() got an unknown argument {name!r}{hint}; it takes trainer and optim keys "
+            f"by name: {', '.join(known)}")
 
 
 def _dot_value(v: Any) -> str:

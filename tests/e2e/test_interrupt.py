@@ -54,14 +54,14 @@ def test_ctrl_c_says_where_it_stopped_and_the_same_command_resumes(tmp_path, cor
     assert r.returncode == 130, r.stderr[-3000:]
     assert took < 30, took
     line = _the_line(r.stderr)
-    m = re.search(r"last committed snapshot: \S+step-(\d+) \(step (\d+)\); run the same command "
-                  r"to resume from it", line)
+    m = re.search(r"after step (\d+) of 120; last committed snapshot: \S+step-(\d+); run the "
+                  r"same command to resume from it", line)
     assert m, line
-    snap = int(m.group(2))
+    snap = int(m.group(1))  # one step named: the one the snapshot holds
+    assert int(m.group(2)) == snap
     # every rank finished its step, then the stop's own snapshot was committed (not the last
     # periodic one)
     assert snap == max(committed_steps(ck)) and snap >= 25
-    assert int(re.search(r"after step (\d+) of 120", line).group(1)) <= snap
 
     again = run_cli(args, cwd=tmp_path, timeout=180)  # the very same command
     assert again.returncode == 0, again.stderr[-3000:]

@@ -57,6 +57,33 @@ def check_run_dir(cfg: TrainConfig, attempt: int = 0) -> Optional[str]:
             "its first one): starting over from step 0")
 
 
+# Keys whose change makes a snapshot's tensors not fit this run: the model's shape and adapters,
+# and which parameters the optimizer holds and how (its state's layout).
+STATE_SHAPING = ("model.", "data.tokenizer", "data.vocab_size", "optim.name",
+                 "optim.decay_norms_and_biases")
+
+
+def unloadable_message(tried: list[tuple[str, dict]], cfg: TrainConfig) -> str:
+    """The line for snapshots that exist but none of which loaded (`tried`: (url, marker) pairs,
+    newest first). When a setting that shapes the saved state differs from the newest snapshot's,
+    that is the cause: name it, and the two ways on; else the snapshots are damaged."""
+    from ..formatting import flatten
+    from ..redact import redact_url
+    url, marker = tried[0]
+    head = f"no snapshot could be loaded (tried {len(tried)}, newest {redact_url(url)})"
+    saved, now = flatten(marker.get("config") or {}), flatten(cfg.to_dict())
+    changed = [k for k in sorted(set(saved) & set(now))  # keys older versions lacked: skipped
+               if k.startswith(STATE_SHAPING) and saved[k] != now[k]]
+    if not changed:
+        return (f"{head}; remove the damaged ones or pass checkpoint.resume=never with another "
+                "run.dir")
+    settings = "; ".join(f"{k}={saved[k]} in the snapshot, {now[k]} now"
+                         for k in changed[:4])
+    return (f"{head}: the run dir holds a run with other settings ({settings}); to continue it, "
+            "run it with the snapshot's settings; to start a new run instead, pass another "
+            "run.name (Python: run_name=...) or run.overwrite=true to replace it")
+
+
 def prepare_run_dir(cfg: TrainConfig, resumed_step: Optional[int]) -> Path:
     """Global rank 0, once the resume point is known: per-step logs keep the steps up to it (the
     steps after it run again and are logged again, once); a fresh start (run.overwrite, or a
@@ -97,13 +124,11 @@ def last_logged_step(run_dir: Path) -> Optional[int]:
 
 
 def stopped_message(cfg: TrainConfig) -> str:
-    """One line for a run stopped by Ctrl-C: the last step it logged, its newest committed
-    snapshot, and what running the same command does next."""
+    """One line for a run stopped by Ctrl-C, naming one step: the one its newest committed
+    snapshot holds (the stop's own, taken after the step every rank finished), or without
+    one the last step it logged; and what running the same command does next."""
     from ..redact import redact_url
-    step = last_logged_step(cfg.run_dir)
     total = f" of {cfg.trainer.max_steps}" if cfg.trainer.max_steps else ""
-    where = f"after step {step}{total} (the last one logged)" if step is not None else \
-        "before the first step was logged"
     try:
         snaps = [s for s in Store(root_of(cfg)).snapshots() if s.committed]
     except Exception:  # an unreachable checkpoint.dir: say what we know
@@ -112,8 +137,11 @@ def stopped_message(cfg: TrainConfig) -> str:
         s = snaps[-1]
         how = ("run the same command to resume from it" if cfg.checkpoint.resume != "never"
                else "run the same command with checkpoint.resume=auto to resume from it")
-        return (f"{where}; last committed snapshot: {redact_url(s.url)} (step {s.step}); "
+        return (f"after step {s.step}{total}; last committed snapshot: {redact_url(s.url)}; "
                 f"{how}")
+    step = last_logged_step(cfg.run_dir)
+    where = f"after step {step}{total} (the last one logged)" if step is not None else \
+        "before the first step was logged"
     if not any((cfg.run_dir / f).exists() for f in RUN_FILES):
         return f"{where}; nothing was written, so the same command starts afresh"
     return (f"{where}; no snapshot was committed, so the same command starts over from step 0 "

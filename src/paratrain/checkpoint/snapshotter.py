@@ -30,6 +30,7 @@ from ..records.console import log
 from ..redact import redact_secrets, redact_url
 from ..runplan import RunPlan
 from . import integrity, store
+from .rundir import unloadable_message
 from .store import Store
 
 # A one-process run saves with no process group, on purpose; DCP says so once per save, from its
@@ -301,14 +302,14 @@ class Snapshotter:
                     if i + 1 < len(candidates) else "no older snapshot to fall back to")
             bad = self._verify_shares(url, marker)  # before anything of it is loaded
             if bad:
-                damaged.append(url)
+                damaged.append((url, marker))
                 log(env, f"warning: skipping snapshot {redact_url(url)}: {bad}; {then}")
                 continue
             try:
                 self._load(url, marker)
             except (Exception, CheckpointException) as e:  # raised on every rank alike: DCP
                 # gathers the errors of all ranks (CheckpointException is a BaseException)
-                failures.append(url)
+                failures.append((url, marker))
                 log(env, f"warning: skipping snapshot {redact_url(url)}: it cannot be loaded "
                          f"({integrity.cause_line(e)[:300]}); {then}")
                 continue
@@ -323,11 +324,9 @@ class Snapshotter:
                               int(marker["world_size"]))
             break
         named = self.cfg.checkpoint.resume not in ("auto", "never")
-        if resumed is None and (failures or damaged and named):
-            tried = failures + damaged
-            raise CheckpointError(f"no snapshot could be loaded (tried {len(tried)}, newest "
-                                  f"{redact_url(tried[0])}); remove the damaged ones or pass "
-                                  "checkpoint.resume=never with another run.dir")
+        if resumed is None and (failures or damaged and named):  # a setting changed, or damage
+            tried = [c for c in candidates if c in failures + damaged]  # newest first
+            raise CheckpointError(unloadable_message(tried, self.cfg))
         if env.is_master:
             after = resumed.step if resumed else -1
             for s in self.store.snapshots():

@@ -4,6 +4,12 @@ Rank r of W takes positions r, r+W, r+2W, ... of the epoch's global order. Then 
 each rank reads at local step k are, together, exactly global positions [k*b*W, (k+1)*b*W): the
 same global batch a single process with batch b*W reads at step k. That is what lets a run move
 between 1 and W devices (and resume after doing so) without changing what it trains on.
+
+`StepBatches` turns that order into each optimizer step's micro-batches. With drop_last=False an
+epoch's last global batch may be short; it is dealt the same way, so some micro-batches of some
+ranks come out short or empty (an empty one is `[]`: the loop runs a stand-in that counts
+nothing, so every rank still takes part in every collective). The loss is weighted by the units
+of the whole global batch, so a short step is exact too.
 """
 
 from __future__ import annotations
@@ -54,16 +60,33 @@ class GlobalSampler(Sampler[int]):
             order = torch.arange(n)
         if self.drop_last:
             return order[: n // self.unit * self.unit]
-        # Pad by wrapping around (as DistributedSampler does) so every rank gets as many.
-        padded = -(-n // self.world_size) * self.world_size
-        if padded > n and n > 0:
-            order = torch.cat([order, order.repeat(-(-padded // n))[: padded - n]])
-        return order
+        return order  # the last global batch is short: StepBatches deals it
+
+    @property
+    def epoch_length(self) -> int:
+        """Samples in one epoch: len(epoch_order()), without drawing the order."""
+        n = self.num_samples
+        return n // self.unit * self.unit if self.drop_last else n
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches in one epoch (the last one short when drop_last is False)."""
+        return -(-self.epoch_length // self.unit)
+
+    def samples_in_step(self, step_in_epoch: int) -> int:
+        """Samples of the global batch of `step_in_epoch`: `unit` but for a short last one."""
+        return max(0, min(self.unit, self.epoch_length - step_in_epoch * self.unit))
+
+    def step_indices(self, order: torch.Tensor, step_in_epoch: int) -> list[int]:
+        """This rank's share of one global batch of the epoch's `order`."""
+        start = step_in_epoch * self.unit
+        return order[start:start + self.unit][self.rank::self.world_size].tolist()
 
     @property
     def samples_per_rank(self) -> int:
-        """This rank's full share of one epoch (position ignored)."""
-        return len(self.epoch_order()) // self.world_size
+        """This rank's full share of one epoch (position ignored); ranks differ by one when
+        drop_last is False and the epoch does not divide."""
+        return len(range(self.rank, self.epoch_length, self.world_size))
 
     def __iter__(self) -> Iterator[int]:
         mine = self.epoch_order()[self.rank::self.world_size]  # (samples_per_rank,)
@@ -88,6 +111,31 @@ class GlobalSampler(Sampler[int]):
         self.position = int(state["position"])
 
 
+class StepBatches(Sampler[list]):
+    """This rank's micro-batches, `accum` per optimizer step, from the GlobalSampler's epoch order
+    and position (a batch sampler for DataLoader). A full step gives `micro_batch` indices per
+    micro-batch: the same batches as reading the rank's positions r, r+W, ... in chunks; the
+    short last step of an epoch (drop_last=False) gives fewer, or `[]`."""
+
+    def __init__(self, sampler: GlobalSampler, micro_batch: int, accum: int):
+        if micro_batch * accum * sampler.world_size != sampler.unit:
+            raise ValueError(f"micro_batch={micro_batch} x accum={accum} x world="
+                             f"{sampler.world_size} must equal the global batch {sampler.unit}")
+        self.sampler, self.micro_batch, self.accum = sampler, micro_batch, accum
+
+    def __iter__(self) -> Iterator[list]:
+        s, b = self.sampler, self.micro_batch
+        order = s.epoch_order()  # (epoch_length,)
+        for step in range(s.position // (b * self.accum), s.steps_per_epoch):
+            mine = s.step_indices(order, step)
+            for i in range(self.accum):
+                yield mine[i * b:(i + 1) * b]
+
+    def __len__(self) -> int:
+        s = self.sampler
+        return (s.steps_per_epoch - s.position // (self.micro_batch * self.accum)) * self.accum
+
+
 class EvalSampler(Sampler[int]):
     """Every sample exactly once over all ranks: no shuffle, no padding, no dropping.
 
@@ -106,18 +154,19 @@ class EvalSampler(Sampler[int]):
         return len(range(self.rank, self.num_samples, self.world_size))
 
 
-class SampleRecorder(Sampler[int]):
-    """A test aid (`checkpoint.record_samples=true`): passes a sampler's indices through and
-    remembers them, so the loop can write which samples every step trained on."""
+class SampleRecorder(Sampler[list]):
+    """A test aid (`checkpoint.record_samples=true`): passes a batch sampler's micro-batches
+    through and remembers their indices, so the loop can write which samples every step
+    trained on."""
 
     def __init__(self, inner: torch.utils.data.Sampler):
         self.inner = inner
         self.taken: list[int] = []
 
     def __iter__(self):
-        for i in self.inner:
-            self.taken.append(int(i))
-            yield i
+        for batch in self.inner:
+            self.taken.extend(int(i) for i in batch)
+            yield batch
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]

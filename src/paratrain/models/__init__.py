@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .llama import Llama
 
 __all__ = ["ModelArgs", "PRESETS", "resolve_model_config", "build_model", "generate",
-           "count_params", "flops_per_token", "Llama", "GPT"]
+           "torch_default_init", "count_params", "flops_per_token", "Llama", "GPT"]
 
 
 def __getattr__(name: str) -> Any:
@@ -43,6 +43,17 @@ def build_model(args: ModelArgs) -> "nn.Module":
     if args.arch == "gpt":
         return GPT(args)
     raise ValueError(f"unknown arch {args.arch!r}")
+
+
+def torch_default_init(model: "nn.Module") -> "nn.Module":
+    """`model.init=torch`: each layer starts as torch builds it (nn.Linear's Kaiming-uniform,
+    nn.Embedding's N(0, 1), norm gains 1), as in a script that writes the model with plain torch
+    layers, instead of our GPT-2 init. Later modules first, so that a head tied to the embedding
+    keeps the embedding's init, as a script that ties them after building both does."""
+    for module in reversed(list(model.modules())):
+        if module is not model and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return model
 
 
 def count_params(model: "nn.Module") -> int:

@@ -78,12 +78,18 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *,
                model: Optional[Callable[[], nn.Module]] = None) -> Tuple[nn.Module, object]:
     """(model, tokenizer) from a run dir or its model/ folder, ready for generation or further
     training. A run of your own nn.Module: pass the same factory, `model=make_model`; it is
-    called once and the trained weights are loaded into what it returns (tokenizer: None)."""
+    called once and the trained weights are loaded into what it returns (tokenizer: None).
+    A fine-tuning run (or a Hugging Face model trained on a corpus): the transformers model,
+    by the class its config.json names (LoRA: the merged weights; the adapter alone is in
+    the run's adapter/ for peft), and its tokenizer."""
     from safetensors.torch import load_file
 
     from ..data import Tokenizer
     from . import ModelArgs, build_model
+    from .hf import is_hf_folder, load_hf
     mdir = model_dir_of(path)
+    if is_hf_folder(mdir) and model is None:
+        return load_hf(mdir, device)
     info = json.loads((mdir / MODEL_CONFIG).read_text())
     state = load_file(str(mdir / WEIGHTS), device="cpu")
     if model is not None:

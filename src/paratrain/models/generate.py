@@ -28,6 +28,9 @@ class GenerateOptions:
     seed: int = 0
     device: str = "cpu"
     bos: bool = False  # start with [BOT], as padded-format training saw documents start
+    # fine-tuned runs: render the prompt as training rendered inputs (the run's config.yaml)
+    system_prompt: Optional[str] = None  # a system turn first (chat template runs)
+    chat_template: bool = False  # pairs: the run rendered its pairs with a chat template
 
 
 def generate_from_run(model_dir: Path, prompt: str, opts: GenerateOptions) -> str:

@@ -48,10 +48,42 @@ def build_hf(args: HFArgs) -> nn.Module:
     return auto.from_config(config)
 
 
+def quiet_transformers() -> None:
+    """transformers' own progress bars ("Loading weights" inside `generate`'s output), length
+    warnings and the FutureWarning peft triggers on every worker (`is_gradient_checkpointing is
+    deprecated`) would interleave with our log; the encoders report truncation themselves."""
+    import warnings
+
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated",
+                            category=FutureWarning)
+
+
+def portable_config(folder: Path) -> None:
+    """Make the config.json transformers 5 wrote in `folder` readable by 4.x as it reads 5.x's:
+    5.x keeps rope_theta (and any rope scaling) only inside rope_parameters, which 4.x ignores
+    (it would use its default theta, silently), and writes `dtype` for 4.x's `torch_dtype`. The
+    older spellings are added beside the new ones; 5.x reads either."""
+    import json
+    path = Path(folder) / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    if "dtype" in cfg:
+        cfg.setdefault("torch_dtype", cfg["dtype"])
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def save_hf(model: nn.Module, out_dir: Path, state: dict, tokenizer_path: Optional[Path]) -> None:
     """A `save_pretrained` folder (safetensors), written atomically like every output."""
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        portable_config(tmp)
         if tokenizer_path is not None:
             for name, f in tokenizer_files(tokenizer_path).items():
                 shutil.copyfile(f, tmp / name)
@@ -66,27 +98,67 @@ def is_hf_folder(model_dir: Path) -> bool:
         return False
 
 
+def load_hf(model_dir: Path, device: Any = "cpu") -> tuple[nn.Module, Any]:
+    """(model, tokenizer) of a `from_pretrained` folder, offline, safetensors only: the model
+    class its config.json names (AutoModelForCausalLM when it names none transformers has), in
+    eval mode."""
+    import json
+
+    import transformers
+    quiet_transformers()
+    names = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)),
+               transformers.AutoModelForCausalLM)
+    model = cls.from_pretrained(model_dir, local_files_only=True, use_safetensors=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
 def generate_hf_chat(model_dir: Path, prompt: str, opts: Any) -> str:
-    """A chat run: the prompt is a user turn rendered with its chat template."""
-    return generate_hf(model_dir, prompt, opts, chat=True)
+    """A chat run: the prompt is a user turn (after the run's system prompt) rendered with its
+    chat template; the prompt, then the reply on a line of its own."""
+    return _prompt_and_reply(prompt, generate_hf(model_dir, prompt, opts, template=True))
 
 
-def generate_hf(model_dir: Path, prompt: str, opts: Any, chat: bool = False) -> str:
-    """Continue `prompt` with a fine-tuned Hugging Face model (local files only). `chat`: the
-    run trained on chat data, so the prompt is a user turn rendered with its chat template.
+def generate_hf_reply(model_dir: Path, prompt: str, opts: Any) -> str:
+    """A run on input->output pairs: the prompt rendered as training rendered its inputs (with
+    the chat template and system prompt when the run used them), then the reply on a line of
+    its own."""
+    return _prompt_and_reply(prompt, generate_hf(model_dir, prompt, opts,
+                                                 template=opts.chat_template))
+
+
+def _prompt_and_reply(prompt: str, reply: str) -> str:
+    return f"{prompt}\n{reply.strip()}"
+
+
+def prompt_ids(tokenizer: Any, prompt: str, system_prompt: Optional[str],
+               template: bool) -> list[int]:
+    """`prompt`'s token ids as training saw an input: with `template` (and a chat template on the
+    tokenizer), a user turn after the system prompt, ready for the assistant's reply; else the
+    text as the tokenizer encodes it."""
+    if template and getattr(tokenizer, "chat_template", None):
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        ids = tokenizer.apply_chat_template(system + [{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def generate_hf(model_dir: Path, prompt: str, opts: Any, template: Optional[bool] = None) -> str:
+    """Sample from a Hugging Face causal LM folder (local files only). `template` None: continue
+    `prompt` as text and return prompt + continuation (a language model); else return the
+    continuation alone, the prompt rendered as a user turn with the chat template (and
+    `opts.system_prompt` first) when `template` is true and the tokenizer has one.
     `opts`: generate.GenerateOptions."""
     import torch
     import transformers
+    quiet_transformers()
     device, temperature, top_k = opts.device, opts.temperature, opts.top_k
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, local_files_only=True, use_safetensors=True).to(device).eval()
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    else:
-        ids = tokenizer(prompt)["input_ids"]
+    ids = prompt_ids(tokenizer, prompt, opts.system_prompt, bool(template))
     if not ids:
         raise ConfigError("--prompt encodes to no tokens; give some text")
     torch.manual_seed(opts.seed)
@@ -97,4 +169,5 @@ def generate_hf(model_dir: Path, prompt: str, opts: Any, chat: bool = False) -> 
                          do_sample=sample, temperature=temperature if sample else None,
                          top_k=top_k if sample else None,
                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return prompt + tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    text = tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    return text if template is not None else prompt + text

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from ..checkpoint.snapshotter import Resumed, Snapshotter
 from ..config import TrainConfig
-from ..data.sampler import EvalSampler, GlobalSampler, SampleRecorder
+from ..data.sampler import EvalSampler, GlobalSampler, SampleRecorder, StepBatches
 from ..dist import DistEnv
 from ..launch import watchdog
 from ..launch.preemption import StopSignals, stop_line
@@ -66,14 +66,15 @@ class TrainLoop:
         self.step_times: list[float] = []
         self.step_cpu_times: list[float] = []  # CPU time of this process (all threads) per step
         self.sampler = GlobalSampler(len(task.train_ds), env.world_size, env.rank, cfg.trainer.seed,
-                                     shuffle=True, drop_last=True, global_batch=plan.global_batch)
+                                     shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last,
+                                     global_batch=plan.global_batch)
         self.micro_batch = plan.micro_batch
+        batches = StepBatches(self.sampler, self.micro_batch, self.accum)
         # checkpoint.record_samples: a pass-through that notes which samples each step took
-        self.recorder = SampleRecorder(self.sampler) \
-            if cfg.checkpoint.record_samples else None
-        self.loader = _loader(task.train_ds,
-                              self.sampler if self.recorder is None else self.recorder,
-                              self.micro_batch, task.collate, cfg, env)
+        self.recorder = SampleRecorder(batches) if cfg.checkpoint.record_samples else None
+        self.loader = _loader(task.train_ds, batches if self.recorder is None else self.recorder,
+                              task.collate, cfg, env)
+        self._stand_in: Any = None  # a batch run for an empty micro-batch (a short last step)
         self.snapshots = snapshots
         self.pending_loss = (0.0, 0.0)  # this rank's loss sum and units since the last log line
         self.last: dict = {}  # the last log line (a snapshot of the last step carries it)
@@ -220,9 +221,11 @@ class TrainLoop:
         env, model, parallelism = self.env, self.model, self.plan.parallelism
         per_sample = self.task.units_per_sample
         if per_sample is not None:  # every sample counts the same: no need to ask the others
-            global_units = float(self.global_batch * per_sample)
+            samples = self.sampler.samples_in_step(self.step % self.steps_per_epoch)
+            global_units = float(samples * per_sample)
         else:  # padded rows: count the real tokens of the whole global batch first
-            global_units = float(env.all_reduce_sum([sum(map(self.task.count_units, micro))])[0])
+            mine = sum(self.task.count_units(mb) for mb in micro if mb is not None)
+            global_units = float(env.all_reduce_sum([mine])[0])
         scale = env.world_size / max(global_units, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         units = 0
@@ -232,7 +235,11 @@ class TrainLoop:
             meter = SavedTensorMeter(model) if measure else contextlib.nullcontext()
             with (contextlib.nullcontext() if sync else parallelism.no_sync(model)), meter:
                 self.progress.at(self.step + 1, "forward", i)
-                s, n = self._loss(mb)
+                if mb is None:  # no samples left for this rank in a short last step: a
+                    s, n = self._loss(self._stand_in_batch())  # stand-in keeps the collectives
+                    s, n = s * 0.0, 0  # in step and adds nothing to the gradients
+                else:
+                    s, n = self._loss(mb)
                 loss = s * scale
                 if measure:
                     self.activation_bytes = meter.bytes
@@ -258,6 +265,12 @@ class TrainLoop:
             self.grads_bytes = local_bytes(p.grad for p in model.parameters())
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss_sum), float(units), float(norm), global_units
+
+    def _stand_in_batch(self) -> Any:
+        """One training sample, collated: what a rank runs for an empty micro-batch."""
+        if self._stand_in is None:
+            self._stand_in = self.task.collate([self.task.train_ds[0]])
+        return self._stand_in
 
     def _loss(self, mb: Any) -> tuple[torch.Tensor, int]:
         """(sum of the loss, its loss units) for one micro-batch."""
@@ -320,12 +333,21 @@ class TrainLoop:
         return env.weighted_mean(total, count)
 
 
-def _loader(ds: Any, sampler: Any, batch_size: int, collate: Any, cfg: TrainConfig,
-            env: DistEnv) -> DataLoader:
+class _CollateOrNone:
+    """The task's collate, and None for an empty micro-batch (a class: workers pickle it)."""
+
+    def __init__(self, collate: Callable[[list], Any]):
+        self.collate = collate
+
+    def __call__(self, items: list) -> Any:
+        return self.collate(items) if items else None
+
+
+def _loader(ds: Any, batches: Any, collate: Any, cfg: TrainConfig, env: DistEnv) -> DataLoader:
     workers = cfg.data.num_workers
     # A generator of its own: by default every new iterator draws a seed from the global RNG,
     # and a resumed run starts its iterator mid-epoch, which would shift dropout's random stream.
-    return DataLoader(ds, batch_size=batch_size, sampler=sampler, drop_last=True,
-                      collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
+    return DataLoader(ds, batch_sampler=batches, collate_fn=_CollateOrNone(collate),
+                      num_workers=workers, persistent_workers=workers > 0,
                       pin_memory=env.device.type == "cuda",
                       generator=torch.Generator().manual_seed(cfg.trainer.seed))

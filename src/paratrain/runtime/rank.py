@@ -222,6 +222,8 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
     log(env, f"batch: {tr.batch_size} per device x {env.world_size} workers x {plan.accum} "
              f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps "
              f"({plan.steps_per_epoch} per epoch)")
+    for line in optim.schedule_warnings(plan.cfg.optim, plan.total_steps):
+        log(env, line)
     if resumed is not None:
         resharded = (f"; saved by {resumed.world_size} worker(s), resharded to "
                      f"{env.world_size}" if resumed.world_size != env.world_size else "")

@@ -115,28 +115,39 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 class TokenLoss:
     """For tasks whose batches carry next-token `targets` (IGNORE_INDEX where not counted): the
-    loss is summed over counted tokens, and those tokens are the loss unit."""
+    loss is summed over counted tokens, and those tokens are the loss unit. The task's
+    `cfg.trainer.label_smoothing` applies while training; validation reports the plain
+    cross-entropy (its perplexity stays meaningful and comparable between runs)."""
     unit_name = "tokens"
+    cfg: Any  # the run's TrainConfig (a field of the task dataclass)
 
     def count_units(self, batch: dict) -> int:
         return int((batch["targets"] != IGNORE_INDEX).sum())
 
     def loss(self, model: nn.Module, batch: dict, device: torch.device,
              amp: ContextManager, frozen: Frozen = NO_FROZEN) -> tuple[torch.Tensor, int]:
-        return token_loss(model, batch, device, amp)
+        return token_loss(model, batch, device, amp,
+                          label_smoothing=training_smoothing(model, self.cfg))
+
+
+def training_smoothing(model: nn.Module, cfg: Any) -> float:
+    """trainer.label_smoothing while the model trains, 0 while it is evaluated."""
+    return cfg.trainer.label_smoothing if model.training else 0.0
 
 
 def token_loss(model: nn.Module, batch: dict, device: torch.device,
-               amp: ContextManager) -> tuple[torch.Tensor, int]:
+               amp: ContextManager, label_smoothing: float = 0.0) -> tuple[torch.Tensor, int]:
     """(sum of token losses, counted tokens) for one micro-batch of next-token targets
-    (IGNORE_INDEX where not counted: pads, prompts)."""
+    (IGNORE_INDEX where not counted: pads, prompts). `label_smoothing` as torch's (and HF
+    Trainer's LabelSmoother): (1 - e) x NLL + e x the mean NLL over the vocabulary."""
     batch = to_device(batch, device)
     idx, targets = batch["input_ids"], batch["targets"]  # (B, T), (B, T)
     with amp:
         out = model(idx, attention_mask=batch.get("attention_mask"))
     logits = out.logits if hasattr(out, "logits") else out  # (B, T, V); HF returns an object
     s = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                        ignore_index=IGNORE_INDEX, reduction="sum")
+                        ignore_index=IGNORE_INDEX, reduction="sum",
+                        label_smoothing=label_smoothing)
     return s, int((targets != IGNORE_INDEX).sum())
 
 

@@ -17,9 +17,10 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ..config import TrainConfig
+from ..config_checks import model_config
 from ..errors import ConfigError
 from .base import TokenLoss
-from .hf import Encoder, PretrainedTask, model_config
+from .hf import Encoder, PretrainedTask
 
 
 @dataclass
@@ -44,7 +45,7 @@ class CausalLMTask(TokenLoss, PretrainedTask):
         from ..data import finetune
         d = cfg.data
         return _Encode(getattr(finetune, cls.encode_with), tokenizer, notes,
-                       max_length=d.max_length, chat_template=d.chat_template,
+                       max_length=cfg.max_length, chat_template=d.chat_template,
                        system_prompt=d.system_prompt, **{k: getattr(d, k) for k in cls.record_keys})
 
     def load_pretrained(self) -> nn.Module:

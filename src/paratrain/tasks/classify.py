@@ -24,8 +24,9 @@ from torch import nn
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..formatting import human_count
-from .base import NO_FROZEN, Frozen, to_device
-from .hf import Encoder, PretrainedTask, quiet_transformers
+from ..models.hf import quiet_transformers
+from .base import NO_FROZEN, Frozen, to_device, training_smoothing
+from .hf import Encoder, PretrainedTask
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ClassifyTask(PretrainedTask):
     sample_name: ClassVar[str] = "texts"
     unit_name: ClassVar[str] = "texts"
     lora_task_type: ClassVar[str] = "SEQ_CLS"  # peft trains the new head in full
+    auto_class: ClassVar[str] = "AutoModelForSequenceClassification"
     perplexity: ClassVar[bool] = False
     units_per_sample: ClassVar[Optional[int]] = 1  # one loss unit per text
 
@@ -48,16 +50,20 @@ class ClassifyTask(PretrainedTask):
         return load_classifier(self.cfg.model.path, self.label_names,
                                self.tokenizer.pad_token_id, len(self.tokenizer))
 
+    def head_config(self) -> dict:
+        return {"num_labels": len(self.label_names)}
+
     def count_units(self, batch: dict) -> int:
         return int(batch["labels"].numel())
 
     def loss(self, model: nn.Module, batch: dict, device: torch.device,
              amp: ContextManager, frozen: Frozen = NO_FROZEN) -> tuple[torch.Tensor, int]:
-        s, n, _ = self.eval_counts(model, batch, device, amp)
+        s, n, _ = self.eval_counts(model, batch, device, amp,
+                                   label_smoothing=training_smoothing(model, self.cfg))
         return s, n
 
     def eval_counts(self, model: nn.Module, batch: dict, device: torch.device,
-                    amp: ContextManager, frozen: Frozen = NO_FROZEN
+                    amp: ContextManager, frozen: Frozen = NO_FROZEN, label_smoothing: float = 0.0
                     ) -> tuple[torch.Tensor, int, dict]:
         """(sum of per-text losses, texts, {"correct": right predictions, "samples": texts}):
         the loop sums the counts over the whole validation set and all ranks."""
@@ -66,7 +72,7 @@ class ClassifyTask(PretrainedTask):
         with amp:
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         logits = out.logits.float()  # (B, C)
-        s = F.cross_entropy(logits, labels, reduction="sum")
+        s = F.cross_entropy(logits, labels, reduction="sum", label_smoothing=label_smoothing)
         correct = float((logits.argmax(-1) == labels).sum())
         return s, int(labels.numel()), {"correct": correct, "samples": float(labels.numel())}
 
@@ -92,6 +98,7 @@ class _EncodeLabelled(Encoder):
 
     def __init__(self, cfg: TrainConfig, tokenizer: Any, notes: list):
         self.data, self.tokenizer, self.notes = cfg.data, tokenizer, notes
+        self.max_length = cfg.max_length  # data.max_length, or the model's limit
         self.names: Optional[list] = None
 
     def __call__(self, rows: list, source_name: str) -> list:
@@ -99,9 +106,9 @@ class _EncodeLabelled(Encoder):
         d = self.data
         examples, stats, names = encode_classify(
             rows, self.tokenizer, text_field=d.text_field, label_field=d.label_field,
-            max_length=d.max_length, labels=self.names, source_name=source_name)
+            max_length=self.max_length, labels=self.names, source_name=source_name)
         self.notes.append(f"{source_name}: {stats.rows} texts ({stats.truncated} cut to "
-                          f"data.max_length={d.max_length} tokens); longest {stats.longest} "
+                          f"data.max_length={self.max_length} tokens); longest {stats.longest} "
                           "tokens")
         if self.names is None:  # the training rows: they name the labels
             if len(names) < 2:

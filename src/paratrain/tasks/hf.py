@@ -10,19 +10,23 @@ the workers need only the config, or the Python API's lists, to rebuild the task
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
+import torch
 from torch import nn
 
 from ..config import TrainConfig
-from ..config_checks import resolve_tokenizer
+from ..config_checks import model_config, resolve_tokenizer
 from ..data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from ..dist import DistEnv
 from ..errors import ConfigError
 from ..fileio import atomic_dir
 from ..formatting import human_count
+from ..models.hf import portable_config, quiet_transformers
 from .base import MemoryProbe, NoFrozenModels, TaskRecords
 
 
@@ -51,6 +55,7 @@ class PretrainedTask(NoFrozenModels):
     perplexity: ClassVar[bool] = True  # a per-token cross-entropy (not a classifier's)
     units_per_sample: ClassVar[Optional[int]] = None  # answers differ in length: per batch
     lora_task_type: ClassVar[str] = "CAUSAL_LM"  # peft's task_type
+    auto_class: ClassVar[str] = "AutoModelForCausalLM"  # transformers' class of the model
 
     @classmethod
     def prepare(cls, cfg: TrainConfig, env: DistEnv, records: Optional[TaskRecords],
@@ -63,6 +68,7 @@ class PretrainedTask(NoFrozenModels):
         tokenizer_dir = Path(resolve_tokenizer(cfg.data, cfg.model)).expanduser()
         cls.check_model(cfg)
         tokenizer, note = load_tokenizer(tokenizer_dir)
+        cls.check_fits(cfg, tokenizer)  # before the data is read: a typo costs a second
         notes = [note] if note else []
         train_rows, val_rows = read_records(cfg, records)
         encode = cls.encoder(cfg, tokenizer, notes)
@@ -71,12 +77,18 @@ class PretrainedTask(NoFrozenModels):
             val = encode(val_rows, "validation_input" if records else str(d.val_source))
         elif d.val_fraction > 0:
             train, val = split_validation(train, d.val_fraction, seed=cfg.trainer.seed)
+            notes.append(f"validation: {len(val)} of {len(train) + len(val)} {cls.sample_name} "
+                         f"held out (data.val_fraction={d.val_fraction}); data.val_source=FILE "
+                         "gives a set of its own")
         else:
             val = []
+        task = cls(cfg, tokenizer, FinetuneDataset(train), FinetuneDataset(val) if val else None,
+                   tokenizer_dir, **encode.task_fields())
+        if task.lora:
+            notes.append(task.lora_line())
         for line in notes:
             log(line)
-        return cls(cfg, tokenizer, FinetuneDataset(train), FinetuneDataset(val) if val else None,
-                   tokenizer_dir, **encode.task_fields())
+        return task
 
     @classmethod
     def encoder(cls, cfg: TrainConfig, tokenizer: Any, notes: list) -> Encoder:
@@ -86,6 +98,47 @@ class PretrainedTask(NoFrozenModels):
     @classmethod
     def check_model(cls, cfg: TrainConfig) -> None:
         """Refuse, in one line, a model.path this task cannot train (before any encoding)."""
+
+    @classmethod
+    def check_fits(cls, cfg: TrainConfig, tokenizer: Any) -> None:
+        """Before the data is read: the tokenizer's ids fit the model's embeddings, and every
+        LoRA target names a module (on a meta-device copy: nothing loaded)."""
+        vocab = model_config(cfg.model.path).get("vocab_size")
+        if isinstance(vocab, int) and len(tokenizer) > vocab:
+            where = "data.tokenizer" if cfg.data.tokenizer != "auto" else "model.path's tokenizer"
+            raise ConfigError(f"{where} has {len(tokenizer)} tokens but model.path's embeddings "
+                              f"hold {vocab} (vocab_size in its config.json): ids beyond that "
+                              "have no embedding; use the tokenizer the model was trained with")
+        if cfg.model.lora.r:
+            from .lora import check_targets
+            model = cls.meta_model(cfg)
+            if model is not None:
+                check_targets(model, cfg.model.lora)
+
+    @classmethod
+    def meta_model(cls, cfg: TrainConfig, **config_changes: Any) -> Optional[nn.Module]:
+        """The model's shape on the meta device (no weights read, no memory), for checks before
+        a worker starts; None when transformers cannot build it (loading then says why)."""
+        import transformers
+        try:
+            config = transformers.AutoConfig.from_pretrained(
+                Path(str(cfg.model.path)).expanduser(), local_files_only=True, **config_changes)
+            with torch.device("meta"):
+                return getattr(transformers, cls.auto_class).from_config(config)
+        except (OSError, ValueError):
+            return None
+
+    def lora_line(self) -> str:
+        """Which modules get adapters and how many parameters train (one log line)."""
+        from .lora import apply_lora, describe_lora
+        model = self.meta_model(self.cfg, **self.head_config())
+        if model is None:
+            return f"LoRA: r={self.cfg.model.lora.r} on {self.cfg.model.lora.target_modules}"
+        return describe_lora(apply_lora(model, self.cfg.model.lora, self.lora_task_type))
+
+    def head_config(self) -> dict:
+        """Config changes the task's model is built with (a classifier: its labels)."""
+        return {}
 
     def load_pretrained(self) -> nn.Module:
         """The pretrained model, loaded with the task's transformers auto class."""
@@ -101,11 +154,16 @@ class PretrainedTask(NoFrozenModels):
         return self.cfg.model.lora.r > 0
 
     def build_model(self) -> nn.Module:
-        """The pretrained model (with LoRA adapters and its base frozen, when asked)."""
+        """The pretrained model (with LoRA adapters and its base frozen, when asked; with NEFTune
+        noise on its input embeddings while training, when trainer.neftune_noise_alpha)."""
         from .lora import apply_lora
         model = self.load_pretrained()
-        return apply_lora(model, self.cfg.model.lora, task_type=self.lora_task_type) \
-            if self.lora else model
+        if self.lora:
+            model = apply_lora(model, self.cfg.model.lora, task_type=self.lora_task_type)
+        alpha = self.cfg.trainer.neftune_noise_alpha
+        if alpha:
+            model.get_input_embeddings().register_forward_hook(partial(neftune_noise, alpha))
+        return model
 
     def describe(self, n_params: int) -> str:
         return (f"model hf ({self.cfg.model.path}): {human_count(n_params)} parameters; "
@@ -143,8 +201,20 @@ class PretrainedTask(NoFrozenModels):
             self.add_files(tmp)
 
     def add_files(self, folder: Path) -> None:
-        """What goes next to the weights: the tokenizer's files, as they are."""
+        """What goes next to the weights: a config.json transformers 4.x reads too, and the
+        tokenizer's files, as they are."""
+        if (folder / "config.json").is_file():  # not in adapter/, which has its own
+            portable_config(folder)
         copy_tokenizer_files(self.tokenizer_dir, folder)
+
+
+def neftune_noise(alpha: float, module: nn.Module, inputs: Any, output: Any) -> Any:
+    """NEFTune (Jain et al. 2023), as HF Trainer adds it: while training, uniform noise in
+    +-alpha / sqrt(T x C) on the input embeddings (B, T, C), T the padded length."""
+    if not module.training:
+        return output
+    bound = alpha / math.sqrt(output.size(1) * output.size(2))
+    return output + torch.zeros_like(output).uniform_(-bound, bound)  # (B, T, C)
 
 
 def read_records(cfg: TrainConfig, records: Optional[TaskRecords]
@@ -160,20 +230,3 @@ def read_records(cfg: TrainConfig, records: Optional[TaskRecords]
                           "file (or a datasets folder) of records")
     train_rows = read_rows(d.source, what="data.source")
     return train_rows, read_rows(d.val_source, what="data.val_source") if d.val_source else None
-
-
-def quiet_transformers() -> None:
-    """transformers' own progress bars and length warnings would interleave with our log: the
-    encoders report truncation themselves."""
-    import transformers
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def model_config(path: Optional[str]) -> dict:
-    """model.path's config.json as a dict ({} when missing or broken: loading says why)."""
-    import json
-    try:
-        return json.loads((Path(str(path)).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}

@@ -67,9 +67,12 @@ class LMTask(NoFrozenModels, TokenLoss):
         return self.cfg.model.arch == "hf"
 
     def build_model(self) -> nn.Module:
-        from ..models import build_model
+        from ..models import build_model, torch_default_init
         from ..models.hf import build_hf
-        return build_hf(self.args) if self.is_hf else build_model(self.args)
+        if self.is_hf:
+            return build_hf(self.args)
+        model = build_model(self.args)
+        return torch_default_init(model) if self.cfg.model.init == "torch" else model
 
     @property
     def collate(self) -> Callable[[list], Any]:

@@ -5,6 +5,12 @@ parameters, holds state for the adapters alone: that is the memory LoRA saves. E
 (single, DDP, FSDP2) sees an ordinary module. At the end the run writes both the merged model
 (`model/`, a plain `from_pretrained` folder) and the adapter alone (`adapter/`, loadable with
 `peft.PeftModel.from_pretrained`).
+
+`model.lora.*` are peft's own LoraConfig options, passed through (`lora_config`); paratrain adds
+one check peft does not make: every name in target_modules (and modules_to_save) must match a
+module, so that a typo in a list is refused instead of silently training fewer adapters. The
+check and a summary line (which modules got adapters, how many parameters train) run on a
+meta-device copy of the model before any data is read (`PretrainedTask.prepare`).
 """
 
 from __future__ import annotations
@@ -14,31 +20,75 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ..config_checks import lora_targets
 from ..errors import ConfigError
 from ..fileio import atomic_dir
+from ..formatting import human_count
 
 ADAPTER_DIR = "adapter"
 
 
-def apply_lora(model: nn.Module, lora: Any, task_type: str = "CAUSAL_LM") -> nn.Module:
-    """`model` with adapters on `lora.target_modules` (config.LoraConfig), base frozen.
-    `task_type` "SEQ_CLS" (a classifier) also trains its new head in full (peft's
-    modules_to_save: the head is not pretrained, so an adapter on it would learn nothing)."""
+def lora_config(lora: Any, task_type: str) -> Any:
+    """peft.LoraConfig from model.lora.* (config.LoraConfig). `task_type` "SEQ_CLS" (a
+    classifier) also trains its new head in full (peft's modules_to_save: the head is not
+    pretrained, so an adapter on it would learn nothing)."""
     try:
         import peft
     except ImportError:
         raise ConfigError("model.lora needs the peft package: pip install "
                           "'paratrain[lora]'") from None
-    targets = list(lora.target_modules)
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not any(n == t or n.endswith("." + t) for n in names for t in targets):
-        leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
-        raise ConfigError(f"model.lora.target_modules={targets} matches no module of the model; "
-                          f"its linear layers are named: {', '.join(leaves[:8])}")
-    config = peft.LoraConfig(r=int(lora.r), lora_alpha=float(lora.alpha),
-                             lora_dropout=float(lora.dropout), target_modules=targets,
-                             task_type=task_type)
+    init = lora.init_lora_weights
+    return peft.LoraConfig(
+        r=int(lora.r), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
+        target_modules=lora_targets(lora), bias=lora.bias,
+        modules_to_save=list(lora.modules_to_save) if lora.modules_to_save else None,
+        use_dora=bool(lora.use_dora), use_rslora=bool(lora.use_rslora),
+        init_lora_weights=init if isinstance(init, (bool, str)) else bool(init),
+        layers_to_transform=list(lora.layers_to_transform)
+        if lora.layers_to_transform is not None else None, task_type=task_type)
+
+
+def check_targets(model: nn.Module, lora: Any) -> None:
+    """Every name in model.lora.target_modules and modules_to_save matches a module of `model`
+    (its full name or its last parts), else one ConfigError line naming the ones that do not."""
+    names = [n for n, _ in model.named_modules() if n]
+    wanted = {"model.lora.target_modules": lora_targets(lora),
+              "model.lora.modules_to_save": list(lora.modules_to_save or [])}
+    for key, targets in wanted.items():
+        if targets == "all-linear":
+            continue
+        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, nn.Linear)})
+            raise ConfigError(
+                f"{key}={list(targets)}: {', '.join(map(repr, missing))} "
+                f"match{'es' if len(missing) == 1 else ''} no module of the model; its linear "
+                f"layers are named: {', '.join(linear[:12])} (or pass all-linear)")
+
+
+def apply_lora(model: nn.Module, lora: Any, task_type: str = "CAUSAL_LM") -> nn.Module:
+    """`model` with adapters per model.lora.* (config.LoraConfig), its base frozen."""
+    import peft
+    config = lora_config(lora, task_type)
+    check_targets(model, lora)
     return peft.get_peft_model(model, config)
+
+
+def describe_lora(model: nn.Module) -> str:
+    """One line: which modules got adapters (by their last name, and how many), and how many
+    parameters train, of how many. `model`: a PeftModel (a meta-device copy will do)."""
+    adapted: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and len(getattr(module, "lora_A")):
+            leaf = name.rsplit(".", 1)[-1]
+            adapted[leaf] = adapted.get(leaf, 0) + 1
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    where = ", ".join(f"{leaf} x{n}" for leaf, n in sorted(adapted.items()))
+    return (f"LoRA: adapters on {sum(adapted.values())} modules ({where}); "
+            f"{human_count(trainable)} of {human_count(total)} parameters train "
+            f"({100.0 * trainable / max(total, 1):.2f}%)")
 
 
 def save_lora(fresh: nn.Module, state: dict, model_dir: Path, adapter_dir: Path,

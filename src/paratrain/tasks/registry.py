@@ -95,7 +95,7 @@ register(TaskSpec(
     summary="a language model on a corpus, one document per padded row"))
 register(TaskSpec(
     "pairs", "paratrain.tasks.causal_lm:PairsTask", pretrained=True,
-    record_fields=("input", "output"), generate="paratrain.models.hf:generate_hf",
+    record_fields=("input", "output"), generate="paratrain.models.hf:generate_hf_reply",
     summary="a pretrained causal LM on input->output pairs, the loss on the outputs"))
 register(TaskSpec(
     "chat", "paratrain.tasks.causal_lm:ChatTask", pretrained=True,
