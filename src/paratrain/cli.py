@@ -64,18 +64,25 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         run_dir=ns.run_dir, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
         top_k=ns.top_k or None, seed=ns.seed, bos=ns.bos,
         device=ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    spec = registry.get(_run_format(ns.run_dir) or "packed", key=f"{ns.run_dir}'s data.format")
-    print(spec.generator()(model_dir_of(ns.run_dir), ns.prompt, opts))
+    model_dir = model_dir_of(ns.run_dir)
+    fmt, objective = _run_task(ns.run_dir)
+    registry.get(fmt, key=f"{ns.run_dir}'s data.format")
+    spec = registry.select(fmt, objective, registry.model_config(model_dir),
+                           where=f"{ns.run_dir}'s model")
+    print(spec.generator()(model_dir, ns.prompt, opts))
     return 0
 
 
-def _run_format(run_dir: str) -> Optional[str]:
-    """The run's data.format from its config.yaml (None for a bare model/ folder)."""
+def _run_task(run_dir: str) -> Tuple[str, str]:
+    """The run's data.format and trainer.objective from its config.yaml (a bare model/ folder:
+    a language model's)."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
     cfg_file = Path(run_dir) / "config.yaml"
-    return OmegaConf.load(cfg_file).get("data", {}).get("format") if cfg_file.is_file() else None
+    cfg = OmegaConf.load(cfg_file) if cfg_file.is_file() else {}
+    return (cfg.get("data", {}).get("format") or "packed",
+            cfg.get("trainer", {}).get("objective") or "auto")
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:

@@ -6,13 +6,20 @@ it fine-tunes a pretrained Hugging Face model, the record fields the Python API 
 config checks of its own, and what `paratrain generate` does with a finished run. Nothing else
 compares `data.format` to a string.
 
+One format may serve several tasks: preference records train a DPO policy or a reward model
+(`trainer.objective`), and input->output pairs train a causal LM or an encoder-decoder model
+(what model.path is). `for_config` picks the one task of a config, once; `get` is a format's
+first (default) task.
+
 Adding a task is one module (its Task class) plus one `register(TaskSpec(...))` line below.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
@@ -29,6 +36,9 @@ class TaskSpec:
     record_fields: tuple[str, ...] = ()  # fields of its records (the Python API's lists)
     checks: tuple[Callable[[Any], None], ...] = field(default=())  # on a TrainConfig
     generate: str = "paratrain.models.generate:generate_from_run"  # (model_dir, prompt, opts)
+    objective: str = "lm"  # its trainer.objective value; a format's first task is auto's
+    encoder_decoder: Optional[bool] = False  # the models it trains: True encoder-decoder (T5,
+    # BART), False decoder-only, None either (its own check_model refuses what it cannot train)
 
     def load(self) -> Any:
         """The Task class."""
@@ -39,14 +49,70 @@ class TaskSpec:
         return _resolve(self.generate)
 
 
-_TASKS: dict[str, TaskSpec] = {}
+_TASKS: dict[str, TaskSpec] = {}  # data.format -> its first (default) task
+_OTHERS: list[TaskSpec] = []  # the further tasks of a format, in registration order
 
 
 def register(spec: TaskSpec) -> TaskSpec:
-    if spec.name in _TASKS:
+    first = _TASKS.get(spec.name)
+    if first is None:
+        _TASKS[spec.name] = spec
+    elif spec.objective in [s.objective for s in _of(spec.name)]:
         raise ValueError(f"a task named {spec.name!r} is registered already")
-    _TASKS[spec.name] = spec
+    else:
+        _OTHERS.append(spec)
     return spec
+
+
+def _of(name: str) -> list[TaskSpec]:
+    return [_TASKS[name]] + [s for s in _OTHERS if s.name == name]
+
+
+def select(name: str, objective: str = "auto", model: Optional[dict] = None,
+           where: str = "model.path") -> TaskSpec:
+    """The task of data.format `name` for `trainer.objective` and the model (`model`: its
+    config.json; `where` names it). auto: the format's task made for this kind of model
+    (encoder-decoder or decoder-only), else its first. One ConfigError line when none fits."""
+    specs = _of(get(name).name)
+    encdec = bool((model or {}).get("is_encoder_decoder"))
+    if objective == "auto":
+        specs = [s for s in specs if s.encoder_decoder is encdec][:1] or specs[:1]
+    else:
+        specs = [s for s in specs if s.objective == objective]
+        if not specs:
+            raise ConfigError(f"trainer.objective={objective!r} does not apply to data.format="
+                              f"{name}; it trains: {', '.join(s.objective for s in _of(name))} "
+                              f"(auto: {_of(name)[0].objective})")
+    fits = [s for s in specs if s.encoder_decoder in (None, encdec)]
+    if fits:
+        return fits[0]
+    kind = (model or {}).get("model_type", "?")
+    if encdec:
+        others = sorted({s.name for s in _TASKS.values() if s.encoder_decoder} |
+                        {s.name for s in _OTHERS if s.encoder_decoder})
+        raise ConfigError(f"{where} is an encoder-decoder model ({kind}); data.format={name} "
+                          f"with trainer.objective={objective} trains decoder-only models"
+                          + (f"; an encoder-decoder model trains on data.format="
+                             f"{' or '.join(others)}" if others else ""))
+    raise ConfigError(f"trainer.objective={objective} trains an encoder-decoder model (T5, "
+                      f"BART); {where} is a decoder-only model ({kind}): use "
+                      "trainer.objective=auto")
+
+
+def for_config(cfg: Any) -> TaskSpec:
+    """The one task a TrainConfig trains (see `select`)."""
+    m = cfg.model
+    model = model_config(m.path) if m.arch == "hf" else {}
+    return select(cfg.data.format, cfg.trainer.objective, model, where=f"model.path={m.path!r}")
+
+
+def model_config(path: Optional[str]) -> dict:
+    """A model folder's config.json as a dict ({} when missing or broken: loading says why)."""
+    try:
+        folder = Path(str(path)).expanduser()
+        return json.loads((folder / "config.json" if folder.is_dir() else folder).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def names(pretrained: Optional[bool] = None) -> tuple[str, ...]:
@@ -94,15 +160,15 @@ register(TaskSpec(
     "padded", "paratrain.tasks.lm:LMTask",
     summary="a language model on a corpus, one document per padded row"))
 register(TaskSpec(
-    "pairs", "paratrain.tasks.causal_lm:PairsTask", pretrained=True,
+    "pairs", "paratrain.tasks.causal_lm:PairsTask", pretrained=True, objective="sft",
     record_fields=("input", "output"), generate="paratrain.models.hf:generate_hf",
     summary="a pretrained causal LM on input->output pairs, the loss on the outputs"))
 register(TaskSpec(
-    "chat", "paratrain.tasks.causal_lm:ChatTask", pretrained=True,
+    "chat", "paratrain.tasks.causal_lm:ChatTask", pretrained=True, objective="sft",
     record_fields=("messages",), generate="paratrain.models.hf:generate_hf_chat",
     summary="a pretrained causal LM on conversations, the loss on the assistant turns"))
 register(TaskSpec(
-    "classify", "paratrain.tasks.classify:ClassifyTask", pretrained=True,
-    record_fields=("text", "label"), checks=(_check_classify,),
+    "classify", "paratrain.tasks.classify:ClassifyTask", pretrained=True, objective="classify",
+    record_fields=("text", "label"), checks=(_check_classify,), encoder_decoder=None,
     generate="paratrain.tasks.classify:generate_label",
     summary="a pretrained model with a sequence-classification head on labelled texts"))
