@@ -74,6 +74,10 @@ class DataConfig:
     input_field: str = "input"  # pairs: the prompt's field (jsonl / parquet / csv / datasets)
     output_field: str = "output"  # pairs: the answer's field; the loss counts only its tokens
     messages_field: str = "messages"  # chat: [{role, content}, ...]; loss on assistant turns
+    prompt_field: str = "prompt"  # preference: the prompt (text, or chat messages)
+    chosen_field: str = "chosen"  # preference: the preferred response
+    rejected_field: str = "rejected"  # preference: the other response
+    margin_field: Optional[str] = None  # preference, reward: a field with each pair's margin
     val_source: Optional[str] = None  # pairs / chat: a validation file (else val_fraction)
     max_length: int = 1024  # pairs / chat: tokens per example (the input is cut from the left)
     chat_template: str = "auto"  # auto (the tokenizer's, if any) | none | PATH to a jinja file
@@ -108,7 +112,7 @@ class TrainerConfig:
     early_stopping_threshold: float = 0.0  # an improvement lowers the validation loss by more
     keep_best: bool = False  # the output is the weights of the best evaluation, not the last
     objective: str = "auto"  # what data.format trains: auto (the format's first) | lm | sft |
-    # classify
+    # classify | dpo (preference data)
 
 
 @dataclass
@@ -120,6 +124,17 @@ class OptimConfig:
     warmup_steps: int = 20
     min_lr: float = 2e-4
     grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class DPOConfig:
+    """Direct preference optimization (trainer.objective=dpo); see tasks/preference.py."""
+    beta: float = 0.1  # how far the policy may move from the reference
+    loss: str = "sigmoid"  # sigmoid (the DPO paper) | ipo | hinge
+    label_smoothing: float = 0.0  # sigmoid: the assumed share of flipped labels (cDPO)
+    reference: Optional[str] = None  # a model folder; default: the policy's start (with LoRA:
+    # the policy with its adapters off)
+    precompute_reference: bool = False  # reference log-probs once, before training (cached)
 
 
 @dataclass
@@ -182,6 +197,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     log: LogConfig = field(default_factory=LogConfig)

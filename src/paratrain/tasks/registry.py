@@ -153,6 +153,69 @@ def _check_classify(cfg: Any) -> None:
                           "names of the text and label fields of the records")
 
 
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+
+
+def _check_preference(cfg: Any) -> None:
+    d = cfg.data
+    fields = {"data.prompt_field": d.prompt_field, "data.chosen_field": d.chosen_field,
+              "data.rejected_field": d.rejected_field}
+    if not all(fields.values()) or len(set(fields.values())) < 3:
+        raise ConfigError("data.format=preference needs three different record fields: "
+                          + ", ".join(f"{k}={v!r}" for k, v in fields.items()))
+
+
+def _check_dpo(cfg: Any) -> None:
+    """dpo.*: a positive beta, a known loss, label smoothing for the sigmoid loss only, and a
+    reference model (when given) that reads the same token ids as the policy."""
+    p = cfg.dpo
+    if not p.beta > 0:
+        raise ConfigError(f"dpo.beta={p.beta} must be positive (the DPO paper uses 0.1 to 0.5)")
+    if p.loss not in DPO_LOSSES:
+        raise ConfigError(f"dpo.loss={p.loss!r} is not one of: {', '.join(DPO_LOSSES)}")
+    if not 0.0 <= p.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing={p.label_smoothing} must be in [0, 0.5) (the "
+                          "assumed share of flipped preference labels)")
+    if p.label_smoothing and p.loss != "sigmoid":
+        raise ConfigError(f"dpo.label_smoothing applies to dpo.loss=sigmoid, not {p.loss}; "
+                          "set it to 0")
+    if p.reference is not None:
+        _check_reference(p.reference, cfg.model.path,
+                         cfg.data.tokenizer if cfg.data.tokenizer != "auto" else cfg.model.path)
+
+
+def _check_reference(reference: str, policy: str, tokenizer: str) -> None:
+    folder = Path(reference).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"dpo.reference={reference!r} is not a model folder with a "
+                          "config.json; give a local from_pretrained folder (nothing is "
+                          "downloaded) or leave dpo.reference unset (the policy's start)")
+    vocab = (model_config(folder).get("vocab_size"), model_config(policy).get("vocab_size"))
+    if vocab[0] != vocab[1]:
+        raise ConfigError(f"dpo.reference={reference!r} has vocab_size={vocab[0]}, model.path "
+                          f"{vocab[1]}: a reference must score the policy's token ids; use a "
+                          "model with the same tokenizer")
+    mine, theirs = _vocabulary(Path(tokenizer).expanduser()), _vocabulary(folder)
+    if mine is not None and theirs is not None and mine != theirs:
+        differ = len(set(mine.items()) ^ set(theirs.items()))
+        raise ConfigError(f"dpo.reference={reference!r} has another tokenizer than the policy's "
+                          f"({differ} token ids differ): a reference must score the same token "
+                          "ids; use a model trained with the same tokenizer")
+
+
+def _vocabulary(folder: Path) -> Optional[dict]:
+    """token -> id of a folder's tokenizer.json (special tokens included); None without one."""
+    try:
+        tok = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = dict(tok.get("model", {}).get("vocab") or {})
+    vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
+    return vocab
+
+
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
+
 register(TaskSpec(
     "packed", "paratrain.tasks.lm:LMTask", packed=True,
     summary="a language model on a corpus cut into full windows of data.seq_length tokens"))
@@ -172,3 +235,9 @@ register(TaskSpec(
     record_fields=("text", "label"), checks=(_check_classify,), encoder_decoder=None,
     generate="paratrain.tasks.classify:generate_label",
     summary="a pretrained model with a sequence-classification head on labelled texts"))
+register(TaskSpec(
+    "preference", "paratrain.tasks.preference:DPOTask", pretrained=True, objective="dpo",
+    record_fields=PREFERENCE_FIELDS, checks=(_check_preference, _check_dpo),
+    generate="paratrain.models.hf:generate_hf",
+    summary="DPO: a pretrained causal LM on prompt/chosen/rejected records, against a frozen "
+            "reference"))
