@@ -19,6 +19,7 @@ from paratrain.data.preference import (
     preference_dataset,
     PreferenceFields,
     encode_dpo,
+    encode_reward,
 )
 from paratrain.errors import ConfigError, DataError
 from paratrain.tasks import registry
@@ -100,6 +101,19 @@ def test_chat_prompts_are_rendered_with_the_template(tok, tmp_path):
     assert pairs[0]["chosen"] == prompt + _ids(tok, "sees a dog\n") + [tok.eos_token_id]
 
 
+def test_reward_texts_are_what_the_tokenizer_gives_transformers(tok):
+    pairs, stats = encode_reward(ROWS, tok, PreferenceFields(), max_length=64)
+    for pair, row in zip(pairs, ROWS):
+        assert pair["chosen"] == tok(row["prompt"] + row["chosen"])["input_ids"]
+        assert pair["rejected"] == tok(row["prompt"] + row["rejected"])["input_ids"]
+    batch = PairCollate(tok.pad_token_id, shift=False)([preference_dataset(pairs)[i]
+                                                        for i in range(2)])
+    assert batch["margin"].tolist() == [0.0, 0.0] and "targets" not in batch
+    longest = max(len(p[k]) for p in pairs for k in ("chosen", "rejected"))
+    _, stats = encode_reward(ROWS, tok, PreferenceFields(), max_length=longest - 1)
+    assert (stats.kept, stats.dropped) == (1, 1)
+
+
 def test_dpo_losses_at_known_points():
     from paratrain.tasks.preference import DPO_LOSSES
     z = torch.tensor([0.0, 2.0])
@@ -129,6 +143,8 @@ def test_which_task_a_config_trains(tmp_path):
     llama = _model_folder(tmp_path, "llama", model_type="llama", vocab_size=300)
     t5 = _model_folder(tmp_path, "t5", model_type="t5", is_encoder_decoder=True)
     assert registry.for_config(_cfg(llama)).task.endswith("DPOTask")
+    assert registry.for_config(_cfg(llama, "trainer.objective=reward")).task.endswith(
+        "RewardTask")
     pairs = ["data.format=pairs"]
     assert registry.for_config(_cfg(llama, *pairs)).task.endswith("PairsTask")
     with pytest.raises(ConfigError, match="trainer.objective='dpo' does not apply to "
@@ -181,6 +197,6 @@ def test_the_api_lists_must_line_up(tmp_path):
         Trainer(model=str(llama), train_prompts=["a", "b"], train_chosen=["c", "d"],
                 train_rejected=["e"])
     t = Trainer(model=str(llama), train_prompts=["a"], train_chosen=["c"], train_rejected=["e"],
-                objective="dpo")
-    assert (t.cfg.data.format, t.cfg.trainer.objective) == ("preference", "dpo")
+                objective="reward")
+    assert (t.cfg.data.format, t.cfg.trainer.objective) == ("preference", "reward")
     assert t.given.train == [{"prompt": "a", "chosen": "c", "rejected": "e"}]

@@ -241,3 +241,8 @@ register(TaskSpec(
     generate="paratrain.models.hf:generate_hf",
     summary="DPO: a pretrained causal LM on prompt/chosen/rejected records, against a frozen "
             "reference"))
+register(TaskSpec(
+    "preference", "paratrain.tasks.reward:RewardTask", pretrained=True, objective="reward",
+    record_fields=PREFERENCE_FIELDS, checks=(_check_preference,), encoder_decoder=None,
+    generate="paratrain.tasks.reward:generate_score",
+    summary="a reward model (a one-score head) on preference pairs, Bradley-Terry loss"))
