@@ -60,7 +60,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from .models.files import model_dir_of
     from .models.generate import GenerateOptions
     from .tasks import registry
-    data = _run_data(ns.run_dir)
+    data, trainer = _run_sections(ns.run_dir)
     opts = GenerateOptions(
         run_dir=ns.run_dir, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
         top_k=ns.top_k or None, seed=ns.seed, bos=ns.bos,
@@ -68,20 +68,26 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         system_prompt=data.get("system_prompt") if ns.system_prompt is None
         else ns.system_prompt or None,
         chat_template=data.get("chat_template", "none") != "none")
-    spec = registry.get(data.get("format") or "packed", key=f"{ns.run_dir}'s data.format")
-    print(spec.generator()(model_dir_of(ns.run_dir), ns.prompt, opts))
+    model_dir = model_dir_of(ns.run_dir)
+    fmt = data.get("format") or "packed"
+    registry.get(fmt, key=f"{ns.run_dir}'s data.format")
+    spec = registry.select(fmt, trainer.get("objective") or "auto",
+                           registry.model_config(model_dir), where=f"{ns.run_dir}'s model")
+    print(spec.generator()(model_dir, ns.prompt, opts))
     return 0
 
 
-def _run_data(run_dir: str) -> dict:
-    """The run's data.* keys from its config.yaml ({} for a bare model/ folder)."""
+def _run_sections(run_dir: str) -> Tuple[dict, dict]:
+    """The run's data.* and trainer.* keys from its config.yaml ({} for a bare model/ folder:
+    a language model's)."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
     cfg_file = Path(run_dir) / "config.yaml"
     if not cfg_file.is_file():
-        return {}
-    return OmegaConf.to_container(OmegaConf.load(cfg_file)).get("data", {})  # type: ignore
+        return {}, {}
+    cfg = OmegaConf.to_container(OmegaConf.load(cfg_file))
+    return cfg.get("data", {}), cfg.get("trainer", {})  # type: ignore[union-attr]
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:

@@ -90,6 +90,10 @@ class DataConfig:
     input_field: str = "input"  # pairs: the prompt's field (jsonl / parquet / csv / datasets)
     output_field: str = "output"  # pairs: the answer's field; the loss counts only its tokens
     messages_field: str = "messages"  # chat: [{role, content}, ...]; loss on assistant turns
+    prompt_field: str = "prompt"  # preference: the prompt (text, or chat messages)
+    chosen_field: str = "chosen"  # preference: the preferred response
+    rejected_field: str = "rejected"  # preference: the other response
+    margin_field: Optional[str] = None  # preference, reward: a field with each pair's margin
     val_source: Optional[str] = None  # pairs / chat: a validation file (else val_fraction)
     # pairs / chat / classify: tokens per example (pairs: the input is cut from the left); null:
     # the model's max_position_embeddings (see config_checks.resolve_max_length)
@@ -129,6 +133,8 @@ class TrainerConfig:
     keep_best: bool = False  # the output is the weights of the best evaluation, not the last
     label_smoothing: float = 0.0  # token / text cross-entropy while training (not validation)
     neftune_noise_alpha: Optional[float] = None  # fine-tuning: NEFTune noise on the embeddings
+    objective: str = "auto"  # what data.format trains: auto (the format's first) | lm | sft |
+    # classify | dpo | reward (preference data)
 
 
 @dataclass
@@ -155,6 +161,17 @@ class OptimConfig:
     def floor_lr(self) -> float:
         """min_lr, or lr / 10 when unset."""
         return self.lr / 10 if self.min_lr is None else self.min_lr
+
+
+@dataclass
+class DPOConfig:
+    """Direct preference optimization (trainer.objective=dpo); see tasks/preference.py."""
+    beta: float = 0.1  # how far the policy may move from the reference
+    loss: str = "sigmoid"  # sigmoid (the DPO paper) | ipo | hinge
+    label_smoothing: float = 0.0  # sigmoid: the assumed share of flipped labels (cDPO)
+    reference: Optional[str] = None  # a model folder; default: the policy's start (with LoRA:
+    # the policy with its adapters off)
+    precompute_reference: bool = False  # reference log-probs once, before training (cached)
 
 
 @dataclass
@@ -218,6 +235,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     log: LogConfig = field(default_factory=LogConfig)

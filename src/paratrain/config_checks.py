@@ -169,7 +169,7 @@ def validate(cfg: Any) -> None:
     _choice("model.arch", cfg.model.arch, ARCHS + ("hf",))
     _choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
     _choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
-    spec = registry.get(cfg.data.format)  # an unknown name lists the registered ones
+    spec = registry.for_config(cfg)  # an unknown name lists the registered ones
     _choice("data.padded_overflow", cfg.data.padded_overflow, ("truncate", "split"))
     _check_data_format(cfg, spec)
     _choice("distributed.backend", cfg.distributed.backend, BACKENDS)

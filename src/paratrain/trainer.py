@@ -61,7 +61,9 @@ class Trainer:
     (`train_data=` may instead be a .jsonl / .parquet / .csv path, or a list of
     {"input", "output"} or {"messages"} records.) `task="classify"` trains a text classifier
     instead (AutoModelForSequenceClassification): train_input= the texts, train_output= their
-    labels (strings or ints), or {"text", "label"} records. `task=` may also be a Task object
+    labels (strings or ints), or {"text", "label"} records. Preference pairs train DPO (or a
+    reward model with objective="reward"): train_prompts=, train_chosen=, train_rejected= (and
+    validation_prompts=, ...), or {"prompt", "chosen", "rejected"} records. `task=` may also be a Task object
     of your own (tasks/base.py: the model, data, loss, frozen models and how to save), trained
     as it is. Keyword arguments set `trainer.*`
     and `optim.*` keys by name (devices=, strategy=, batch_size=, lr=, ...; optim.name is
@@ -77,6 +79,12 @@ class Trainer:
                  train_output: Optional[Sequence[str]] = None,
                  validation_input: Optional[Sequence[str]] = None,
                  validation_output: Optional[Sequence[str]] = None,
+                 train_prompts: Optional[Sequence[str]] = None,
+                 train_chosen: Optional[Sequence[str]] = None,
+                 train_rejected: Optional[Sequence[str]] = None,
+                 validation_prompts: Optional[Sequence[str]] = None,
+                 validation_chosen: Optional[Sequence[str]] = None,
+                 validation_rejected: Optional[Sequence[str]] = None,
                  task: Union[str, Task, None] = None, **kwargs: Any):
         finetune: list[str] = []
         self.given: Union[Task, TaskRecords, None] = None
@@ -85,6 +93,15 @@ class Trainer:
                 raise ConfigError("task= a Task object brings its own model and data: leave "
                                   "model= and train_data= out")
             self.given, finetune = task, ["run.name=custom"]
+        elif isinstance(model, (str, Path)) and train_prompts is not None:  # preference lists
+            from .data.preference import rows_from_preference_lists
+            train = rows_from_preference_lists(train_prompts, train_chosen or [],
+                                               train_rejected or [])
+            val = rows_from_preference_lists(validation_prompts, validation_chosen or [],
+                                             validation_rejected or [], what="validation") \
+                if validation_prompts is not None else None
+            self.given, finetune = _finetune_records(str(model), train, val, None, None, None,
+                                                     None, task=task or "preference")
         elif isinstance(model, (str, Path)):  # a pretrained Hugging Face model directory
             self.given, finetune = _finetune_records(
                 str(model), train_data, val_data, train_input, train_output, validation_input,

@@ -19,19 +19,20 @@ from paratrain.tasks.user import UserTask
 
 
 def test_the_built_in_formats_and_what_they_are():
-    assert registry.names() == ("packed", "padded", "pairs", "chat", "classify")
-    assert registry.names(pretrained=True) == ("pairs", "chat", "classify")
+    assert registry.names() == ("packed", "padded", "pairs", "chat", "classify", "preference")
+    assert registry.names(pretrained=True) == ("pairs", "chat", "classify", "preference")
     assert [registry.get(n).packed for n in ("packed", "padded")] == [True, False]
     from paratrain.tasks.causal_lm import ChatTask, PairsTask
     from paratrain.tasks.classify import ClassifyTask
     from paratrain.tasks.lm import LMTask
+    from paratrain.tasks.preference import DPOTask
     assert [registry.get(n).load() for n in registry.names()] == \
-        [LMTask, LMTask, PairsTask, ChatTask, ClassifyTask]
+        [LMTask, LMTask, PairsTask, ChatTask, ClassifyTask, DPOTask]
 
 
 def test_an_unknown_format_names_the_registered_ones():
     with pytest.raises(ConfigError, match="data.format='dpo' is not one of: packed, padded, "
-                                          "pairs, chat, classify"):
+                                          "pairs, chat, classify, preference"):
         TrainConfig.from_yaml(None, ["data.format=dpo"])
 
 
@@ -39,6 +40,8 @@ def test_records_are_recognised_by_their_fields():
     assert registry.recognize({"messages": []}).name == "chat"
     assert registry.recognize({"text": "a", "label": 1}).name == "classify"
     assert registry.recognize({"input": "a", "output": "b"}).name == "pairs"
+    assert registry.recognize({"prompt": "a", "chosen": "b", "rejected": "c"}).name == \
+        "preference"
     assert registry.recognize({"prompt": "a"}).name == "pairs"  # the default: its encoder says
 
 

@@ -78,6 +78,7 @@ class TrainLoop:
         self.snapshots = snapshots
         self.pending_loss = (0.0, 0.0)  # this rank's loss sum and units since the last log line
         self.last: dict = {}  # the last log line (a snapshot of the last step carries it)
+        self.pending_counts: dict = {}  # and the task's training counts (`train_counts`)
         tr = cfg.trainer
         self.best = BestTracker(tr.early_stopping_patience, tr.early_stopping_threshold)
         self.on_best = on_best  # called (on every rank) after an evaluation that is the best
@@ -101,16 +102,20 @@ class TrainLoop:
         self.last = dict((resumed.rank or resumed.loop["ranks"][0]).get("last") or {})
         if resumed.rank is not None:
             self.pending_loss = (resumed.rank["loss_sum"], resumed.rank["count"])
+            self.pending_counts = dict(resumed.rank.get("counts", {}))
         elif self.env.is_master:  # another world size: the window's sums move to rank 0
             ranks = resumed.loop["ranks"]
             self.pending_loss = (sum(r["loss_sum"] for r in ranks),
                                  sum(r["count"] for r in ranks))
+            self.pending_counts = _add_counts({}, *(r.get("counts", {}) for r in ranks))
 
-    def rank_state(self, loss_sum: float = 0.0, count: float = 0.0) -> dict:
-        """This rank's part of a snapshot (JSON): its loss sums since the last log line (0 right
-        after one), the best evaluation so far and the last log line."""
-        return {"loss_sum": loss_sum, "count": count, "best": self.best.state_dict(),
-                "last": self.last}
+    def rank_state(self, loss_sum: float = 0.0, count: float = 0.0,
+                   counts: Optional[dict] = None) -> dict:
+        """This rank's part of a snapshot (JSON): its loss sums and the task's training counts
+        since the last log line (0 right after one), the best evaluation so far and the last log
+        line."""
+        return {"loss_sum": loss_sum, "count": count, "counts": counts or {},
+                "best": self.best.state_dict(), "last": self.last}
 
     def record_evaluation(self, val_loss: Optional[float]) -> None:
         """Track the best validation loss; a new best goes to `on_best` (keep_best saves it)."""
@@ -133,6 +138,7 @@ class TrainLoop:
         bar = ProgressBar(env, self.total_steps, self.step, tr.progress_bar)
         window = Throughput()
         loss_sum, count = self.pending_loss  # since the last log line, this rank
+        counts = dict(self.pending_counts)
         slog = MetricsLog(cfg.run_dir / "samples.jsonl"
                                   if env.is_master and self.recorder is not None else None)
         last: dict = dict(self.last)
@@ -146,7 +152,7 @@ class TrainLoop:
                     bar.write(stop_line(self.stopped_by, self.step))
                     if self.snapshots is not None:
                         if saved_at != self.step:
-                            self.snapshots.save(self.step, self.rank_state(loss_sum, count),
+                            self.snapshots.save(self.step, self.rank_state(loss_sum, count, counts),
                                                 blocking=True)
                         self.snapshots.wait()  # committed before this rank leaves
                     break
@@ -155,9 +161,10 @@ class TrainLoop:
                 micro = [next(batches) for _ in range(self.accum)]
                 window.wait(time.perf_counter() - t_data)
                 self.data_wait_s += time.perf_counter() - t_data
-                s, n, grad_norm, step_units = self._train_step(micro)
+                s, n, grad_norm, step_units, step_counts = self._train_step(micro)
                 loss_sum += s
                 count += n
+                counts = _add_counts(counts, step_counts)
                 self.step += 1
                 if self.recorder is not None:  # every rank's sample ids of this step
                     ids = env.gather_objects(self.recorder.pop())
@@ -171,6 +178,9 @@ class TrainLoop:
                     last = {"step": self.step, "epoch": (self.step - 1) // self.steps_per_epoch,
                             "loss": loss, "lr": self.step_lr,
                             "grad_norm": grad_norm, **window.report()}
+                    if counts:  # the same keys on every rank: summed like the loss
+                        last.update(self.task.train_metrics(_sum_counts(env, counts)))
+                        counts = {}
                     if evaluate:
                         last["val_loss"] = self.evaluate()
                         last.update(self.val_metrics)
@@ -189,7 +199,7 @@ class TrainLoop:
                 if self.snapshots is not None and self.snapshots.should_save(self.step):
                     # this rank's loss sums since the last log line: the next logged loss
                     # comes out the same after a resume
-                    self.snapshots.save(self.step, self.rank_state(loss_sum, count))
+                    self.snapshots.save(self.step, self.rank_state(loss_sum, count, counts))
                     saved_at = self.step
                 now = time.perf_counter()
                 self.step_times.append(now - t_step)
@@ -214,10 +224,10 @@ class TrainLoop:
         self.stopped_by = int(self.env.max_over_ranks(self.stop.signum))
         return self.stopped_by != 0
 
-    def _train_step(self, micro: list[Any]) -> tuple[float, float, float, float]:
+    def _train_step(self, micro: list[Any]) -> tuple[float, float, float, float, dict]:
         """One optimizer step over `accum` micro-batches; returns this rank's (sum of losses,
-        loss units), the global gradient norm before clipping and the loss units of the whole
-        global batch."""
+        loss units), the global gradient norm before clipping, the loss units of the whole
+        global batch, and this rank's sums of the task's training counts (`train_counts`)."""
         env, model, parallelism = self.env, self.model, self.plan.parallelism
         per_sample = self.task.units_per_sample
         if per_sample is not None:  # every sample counts the same: no need to ask the others
@@ -229,6 +239,7 @@ class TrainLoop:
         scale = env.world_size / max(global_units, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         units = 0
+        counts: dict = {}
         for i, mb in enumerate(micro):
             sync = i == len(micro) - 1
             measure = self.activation_bytes is None and i == 0  # once: the first micro-step
@@ -236,10 +247,11 @@ class TrainLoop:
             with (contextlib.nullcontext() if sync else parallelism.no_sync(model)), meter:
                 self.progress.at(self.step + 1, "forward", i)
                 if mb is None:  # no samples left for this rank in a short last step: a
-                    s, n = self._loss(self._stand_in_batch())  # stand-in keeps the collectives
-                    s, n = s * 0.0, 0  # in step and adds nothing to the gradients
-                else:
-                    s, n = self._loss(mb)
+                    s, n, c = self._loss(self._stand_in_batch())  # stand-in keeps the
+                    s, n, mb_counts = s * 0.0, 0, dict.fromkeys(c, 0.0)  # collectives in step
+                else:  # and adds nothing to the gradients or the counts
+                    s, n, mb_counts = self._loss(mb)
+                counts = _add_counts(counts, mb_counts)
                 loss = s * scale
                 if measure:
                     self.activation_bytes = meter.bytes
@@ -264,7 +276,7 @@ class TrainLoop:
         if self.grads_bytes is None:
             self.grads_bytes = local_bytes(p.grad for p in model.parameters())
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss_sum), float(units), float(norm), global_units
+        return float(loss_sum), float(units), float(norm), global_units, counts
 
     def _stand_in_batch(self) -> Any:
         """One training sample, collated: what a rank runs for an empty micro-batch."""
@@ -272,21 +284,26 @@ class TrainLoop:
             self._stand_in = self.task.collate([self.task.train_ds[0]])
         return self._stand_in
 
-    def _loss(self, mb: Any) -> tuple[torch.Tensor, int]:
-        """(sum of the loss, its loss units) for one micro-batch."""
+    def _loss(self, mb: Any) -> tuple[torch.Tensor, int, dict]:
+        """(sum of the loss, its loss units, the task's counts) for one micro-batch. A task may
+        count more than the loss while training (`train_counts`, e.g. DPO's rewards): the loop
+        sums those like the loss, and `train_metrics` turns the sums into logged figures."""
         dev = self.env.device
         amp = self.plan.parallelism.autocast(self.plan.precision, dev)
-        return self.task.loss(self.model, mb, dev, amp, self.frozen)
+        counts = getattr(self.task, "train_counts", None)
+        if counts is not None:
+            return counts(self.model, mb, dev, amp, self.frozen)
+        return (*self.task.loss(self.model, mb, dev, amp, self.frozen), {})
 
     def _eval_batch(self, mb: Any) -> tuple[Any, int, dict]:
         """(loss sum, loss units, counts) for one validation micro-batch. A task may count more
         than the loss (`eval_counts`, e.g. right predictions): evaluate sums those too."""
+        dev = self.env.device
+        amp = self.plan.parallelism.autocast(self.plan.precision, dev)
         counts = getattr(self.task, "eval_counts", None)
         if counts is None:
-            return (*self._loss(mb), {})
-        dev = self.env.device
-        return counts(self.model, mb, dev, self.plan.parallelism.autocast(self.plan.precision,
-                                                                          dev), self.frozen)
+            return (*self.task.loss(self.model, mb, dev, amp, self.frozen), {})
+        return counts(self.model, mb, dev, amp, self.frozen)
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
@@ -341,6 +358,21 @@ class _CollateOrNone:
 
     def __call__(self, items: list) -> Any:
         return self.collate(items) if items else None
+
+
+def _add_counts(total: dict, *more: dict) -> dict:
+    """Counts summed key by key (a new dict)."""
+    out = dict(total)
+    for counts in more:
+        for key, value in counts.items():
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def _sum_counts(env: DistEnv, counts: dict) -> dict:
+    """Counts summed over all ranks (every rank holds the same keys)."""
+    keys = sorted(counts)
+    return dict(zip(keys, env.all_reduce_sum([counts[k] for k in keys]).tolist()))
 
 
 def _loader(ds: Any, batches: Any, collate: Any, cfg: TrainConfig, env: DistEnv) -> DataLoader:

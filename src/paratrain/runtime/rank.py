@@ -114,7 +114,7 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
             log(env, f"validation loss {val_loss:.4f}" + (
                 f" (perplexity {math.exp(val_loss):.2f})" if task.perplexity else "") + (
                 f"; accuracy {val_metrics['val_accuracy']:.4f} on {val_metrics['val_samples']} "
-                "texts" if val_metrics.get("val_accuracy") is not None else ""))
+                f"{task.sample_name}" if val_metrics.get("val_accuracy") is not None else ""))
         memory = gather_memory(env, model, optimizer, loop.grads_bytes, loop.activation_bytes,
                                list(frozen.values()))
         if cfg.trainer.verbose:
@@ -175,7 +175,7 @@ def prepare_task(cfg: TrainConfig, env: DistEnv,
     say = (lambda m: None) if quiet else (lambda m: log(env, m))
     if given is not None and not isinstance(given, TaskRecords):
         return given
-    return registry.get(cfg.data.format).load().prepare(cfg, env, given, say)
+    return registry.for_config(cfg).load().prepare(cfg, env, given, say)
 
 
 def plan_on_ranks(cfg: TrainConfig, env: DistEnv, task: Task) -> RunPlan:

@@ -12,6 +12,10 @@ A task may also count more than the loss at validation (optional, not in the pro
 `eval_counts(model, batch, device, amp, frozen)` -> (loss sum, loss units, {name: count}) and
 `eval_metrics({name: summed count})` -> figures reported with the validation loss; the loop sums
 the counts over every validation sample once and over all ranks (classify.py: accuracy).
+Likewise while training: `train_counts(model, batch, device, amp, frozen)` -> (loss sum, loss
+units, {name: count}) replaces `loss` when a task has it, and `train_metrics({name: summed
+count})` -> figures logged with the loss; the loop sums the counts over micro-steps and ranks
+exactly like the loss, and carries them through snapshots (preference.py: DPO's rewards).
 A task may need models that are run but not trained (DPO's reference, a distillation teacher):
 `build_frozen()` gives them by name; the run builds, places and shards them with the trained
 model's parallelism, keeps them out of the optimizer and the snapshots, counts their memory, and

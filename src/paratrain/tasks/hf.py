@@ -61,7 +61,7 @@ class PretrainedTask(NoFrozenModels):
     def prepare(cls, cfg: TrainConfig, env: DistEnv, records: Optional[TaskRecords],
                 log: Callable[[str], None]) -> "PretrainedTask":
         """Tokenizer, records, encoding and the validation split; each note is logged."""
-        from ..data.finetune import FinetuneDataset, split_validation
+        from ..data.finetune import split_validation
         from ..data.hf_tokenizer import load_tokenizer
         quiet_transformers()
         d = cfg.data
@@ -82,13 +82,19 @@ class PretrainedTask(NoFrozenModels):
                          "gives a set of its own")
         else:
             val = []
-        task = cls(cfg, tokenizer, FinetuneDataset(train), FinetuneDataset(val) if val else None,
+        task = cls(cfg, tokenizer, cls.dataset(train), cls.dataset(val) if val else None,
                    tokenizer_dir, **encode.task_fields())
         if task.lora:
             notes.append(task.lora_line())
         for line in notes:
             log(line)
         return task
+
+    @classmethod
+    def dataset(cls, examples: list) -> Any:
+        """The map-style dataset over the encoder's examples (preference pairs have their own)."""
+        from ..data.finetune import FinetuneDataset
+        return FinetuneDataset(examples)
 
     @classmethod
     def encoder(cls, cfg: TrainConfig, tokenizer: Any, notes: list) -> Encoder:

@@ -6,13 +6,20 @@ it fine-tunes a pretrained Hugging Face model, the record fields the Python API 
 config checks of its own, and what `paratrain generate` does with a finished run. Nothing else
 compares `data.format` to a string.
 
+One format may serve several tasks: preference records train a DPO policy or a reward model
+(`trainer.objective`), and input->output pairs train a causal LM or an encoder-decoder model
+(what model.path is). `for_config` picks the one task of a config, once; `get` is a format's
+first (default) task.
+
 Adding a task is one module (its Task class) plus one `register(TaskSpec(...))` line below.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
@@ -29,6 +36,9 @@ class TaskSpec:
     record_fields: tuple[str, ...] = ()  # fields of its records (the Python API's lists)
     checks: tuple[Callable[[Any], None], ...] = field(default=())  # on a TrainConfig
     generate: str = "paratrain.models.generate:generate_from_run"  # (model_dir, prompt, opts)
+    objective: str = "lm"  # its trainer.objective value; a format's first task is auto's
+    encoder_decoder: Optional[bool] = False  # the models it trains: True encoder-decoder (T5,
+    # BART), False decoder-only, None either (its own check_model refuses what it cannot train)
 
     def load(self) -> Any:
         """The Task class."""
@@ -39,14 +49,70 @@ class TaskSpec:
         return _resolve(self.generate)
 
 
-_TASKS: dict[str, TaskSpec] = {}
+_TASKS: dict[str, TaskSpec] = {}  # data.format -> its first (default) task
+_OTHERS: list[TaskSpec] = []  # the further tasks of a format, in registration order
 
 
 def register(spec: TaskSpec) -> TaskSpec:
-    if spec.name in _TASKS:
+    first = _TASKS.get(spec.name)
+    if first is None:
+        _TASKS[spec.name] = spec
+    elif spec.objective in [s.objective for s in _of(spec.name)]:
         raise ValueError(f"a task named {spec.name!r} is registered already")
-    _TASKS[spec.name] = spec
+    else:
+        _OTHERS.append(spec)
     return spec
+
+
+def _of(name: str) -> list[TaskSpec]:
+    return [_TASKS[name]] + [s for s in _OTHERS if s.name == name]
+
+
+def select(name: str, objective: str = "auto", model: Optional[dict] = None,
+           where: str = "model.path") -> TaskSpec:
+    """The task of data.format `name` for `trainer.objective` and the model (`model`: its
+    config.json; `where` names it). auto: the format's task made for this kind of model
+    (encoder-decoder or decoder-only), else its first. One ConfigError line when none fits."""
+    specs = _of(get(name).name)
+    encdec = bool((model or {}).get("is_encoder_decoder"))
+    if objective == "auto":
+        specs = [s for s in specs if s.encoder_decoder is encdec][:1] or specs[:1]
+    else:
+        specs = [s for s in specs if s.objective == objective]
+        if not specs:
+            raise ConfigError(f"trainer.objective={objective!r} does not apply to data.format="
+                              f"{name}; it trains: {', '.join(s.objective for s in _of(name))} "
+                              f"(auto: {_of(name)[0].objective})")
+    fits = [s for s in specs if s.encoder_decoder in (None, encdec)]
+    if fits:
+        return fits[0]
+    kind = (model or {}).get("model_type", "?")
+    if encdec:
+        others = sorted({s.name for s in _TASKS.values() if s.encoder_decoder} |
+                        {s.name for s in _OTHERS if s.encoder_decoder})
+        raise ConfigError(f"{where} is an encoder-decoder model ({kind}); data.format={name} "
+                          f"with trainer.objective={objective} trains decoder-only models"
+                          + (f"; an encoder-decoder model trains on data.format="
+                             f"{' or '.join(others)}" if others else ""))
+    raise ConfigError(f"trainer.objective={objective} trains an encoder-decoder model (T5, "
+                      f"BART); {where} is a decoder-only model ({kind}): use "
+                      "trainer.objective=auto")
+
+
+def for_config(cfg: Any) -> TaskSpec:
+    """The one task a TrainConfig trains (see `select`)."""
+    m = cfg.model
+    model = model_config(m.path) if m.arch == "hf" else {}
+    return select(cfg.data.format, cfg.trainer.objective, model, where=f"model.path={m.path!r}")
+
+
+def model_config(path: Optional[str]) -> dict:
+    """A model folder's config.json as a dict ({} when missing or broken: loading says why)."""
+    try:
+        folder = Path(str(path)).expanduser()
+        return json.loads((folder / "config.json" if folder.is_dir() else folder).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def names(pretrained: Optional[bool] = None) -> tuple[str, ...]:
@@ -87,6 +153,69 @@ def _check_classify(cfg: Any) -> None:
                           "names of the text and label fields of the records")
 
 
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+
+
+def _check_preference(cfg: Any) -> None:
+    d = cfg.data
+    fields = {"data.prompt_field": d.prompt_field, "data.chosen_field": d.chosen_field,
+              "data.rejected_field": d.rejected_field}
+    if not all(fields.values()) or len(set(fields.values())) < 3:
+        raise ConfigError("data.format=preference needs three different record fields: "
+                          + ", ".join(f"{k}={v!r}" for k, v in fields.items()))
+
+
+def _check_dpo(cfg: Any) -> None:
+    """dpo.*: a positive beta, a known loss, label smoothing for the sigmoid loss only, and a
+    reference model (when given) that reads the same token ids as the policy."""
+    p = cfg.dpo
+    if not p.beta > 0:
+        raise ConfigError(f"dpo.beta={p.beta} must be positive (the DPO paper uses 0.1 to 0.5)")
+    if p.loss not in DPO_LOSSES:
+        raise ConfigError(f"dpo.loss={p.loss!r} is not one of: {', '.join(DPO_LOSSES)}")
+    if not 0.0 <= p.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing={p.label_smoothing} must be in [0, 0.5) (the "
+                          "assumed share of flipped preference labels)")
+    if p.label_smoothing and p.loss != "sigmoid":
+        raise ConfigError(f"dpo.label_smoothing applies to dpo.loss=sigmoid, not {p.loss}; "
+                          "set it to 0")
+    if p.reference is not None:
+        _check_reference(p.reference, cfg.model.path,
+                         cfg.data.tokenizer if cfg.data.tokenizer != "auto" else cfg.model.path)
+
+
+def _check_reference(reference: str, policy: str, tokenizer: str) -> None:
+    folder = Path(reference).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"dpo.reference={reference!r} is not a model folder with a "
+                          "config.json; give a local from_pretrained folder (nothing is "
+                          "downloaded) or leave dpo.reference unset (the policy's start)")
+    vocab = (model_config(folder).get("vocab_size"), model_config(policy).get("vocab_size"))
+    if vocab[0] != vocab[1]:
+        raise ConfigError(f"dpo.reference={reference!r} has vocab_size={vocab[0]}, model.path "
+                          f"{vocab[1]}: a reference must score the policy's token ids; use a "
+                          "model with the same tokenizer")
+    mine, theirs = _vocabulary(Path(tokenizer).expanduser()), _vocabulary(folder)
+    if mine is not None and theirs is not None and mine != theirs:
+        differ = len(set(mine.items()) ^ set(theirs.items()))
+        raise ConfigError(f"dpo.reference={reference!r} has another tokenizer than the policy's "
+                          f"({differ} token ids differ): a reference must score the same token "
+                          "ids; use a model trained with the same tokenizer")
+
+
+def _vocabulary(folder: Path) -> Optional[dict]:
+    """token -> id of a folder's tokenizer.json (special tokens included); None without one."""
+    try:
+        tok = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = dict(tok.get("model", {}).get("vocab") or {})
+    vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
+    return vocab
+
+
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
+
 register(TaskSpec(
     "packed", "paratrain.tasks.lm:LMTask", packed=True,
     summary="a language model on a corpus cut into full windows of data.seq_length tokens"))
@@ -94,15 +223,26 @@ register(TaskSpec(
     "padded", "paratrain.tasks.lm:LMTask",
     summary="a language model on a corpus, one document per padded row"))
 register(TaskSpec(
-    "pairs", "paratrain.tasks.causal_lm:PairsTask", pretrained=True,
+    "pairs", "paratrain.tasks.causal_lm:PairsTask", pretrained=True, objective="sft",
     record_fields=("input", "output"), generate="paratrain.models.hf:generate_hf_reply",
     summary="a pretrained causal LM on input->output pairs, the loss on the outputs"))
 register(TaskSpec(
-    "chat", "paratrain.tasks.causal_lm:ChatTask", pretrained=True,
+    "chat", "paratrain.tasks.causal_lm:ChatTask", pretrained=True, objective="sft",
     record_fields=("messages",), generate="paratrain.models.hf:generate_hf_chat",
     summary="a pretrained causal LM on conversations, the loss on the assistant turns"))
 register(TaskSpec(
-    "classify", "paratrain.tasks.classify:ClassifyTask", pretrained=True,
-    record_fields=("text", "label"), checks=(_check_classify,),
+    "classify", "paratrain.tasks.classify:ClassifyTask", pretrained=True, objective="classify",
+    record_fields=("text", "label"), checks=(_check_classify,), encoder_decoder=None,
     generate="paratrain.tasks.classify:generate_label",
     summary="a pretrained model with a sequence-classification head on labelled texts"))
+register(TaskSpec(
+    "preference", "paratrain.tasks.preference:DPOTask", pretrained=True, objective="dpo",
+    record_fields=PREFERENCE_FIELDS, checks=(_check_preference, _check_dpo),
+    generate="paratrain.models.hf:generate_hf",
+    summary="DPO: a pretrained causal LM on prompt/chosen/rejected records, against a frozen "
+            "reference"))
+register(TaskSpec(
+    "preference", "paratrain.tasks.reward:RewardTask", pretrained=True, objective="reward",
+    record_fields=PREFERENCE_FIELDS, checks=(_check_preference,), encoder_decoder=None,
+    generate="paratrain.tasks.reward:generate_score",
+    summary="a reward model (a one-score head) on preference pairs, Bradley-Terry loss"))

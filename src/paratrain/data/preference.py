@@ -1,0 +1,265 @@
+"""Preference data: {prompt, chosen, rejected} records as token pairs, for DPO and reward models.
+
+A record holds a prompt and two responses, the preferred one first. The prompt is text, or chat
+messages (then the responses are assistant turns, rendered with the model's chat template, and
+a text prompt with a template becomes one user turn, as pairs do). Each pair is encoded once, as
+two whole sequences that share the prompt:
+
+- for DPO (`encode_dpo`), prompt and response are tokenized apart and joined (the policy scores
+  the response tokens given the prompt's), EOS after each response; when a pair is longer than
+  data.max_length the prompt is cut from the left, and a pair whose longer response does not fit
+  even so is dropped;
+- for a reward model (`encode_reward`), the text prompt + response is tokenized whole, with the
+  tokenizer's own special tokens, exactly as `tokenizer(text)` gives it to transformers later
+  (the score is the model's on that text); a pair longer than data.max_length is dropped.
+
+Pairs whose two responses are the same tokens teach nothing and are skipped. Every drop is
+counted in the note each source logs, and a source left with no pair is one DataError line.
+A batch holds its chosen rows first, then the rejected rows in the same order: one forward
+scores both halves (the concatenated forward of TRL and torchtune).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, DataError
+from .dataset import IGNORE_INDEX
+from .finetune import _BATCH, _check_inputs, _field, _text
+from .hf_tokenizer import eos_id, render_chat, special_prefix, use_chat_template
+from .ragged import RaggedDataset, pad_rows
+
+# {"chosen": [ids], "rejected": [ids], "prompt_len": int, "margin": float}: whole sequences
+Pair = Dict[str, Any]
+
+
+@dataclass
+class PairStats:
+    """What encoding did to one source: the lead logs `summary()`; the counts are for tests."""
+    source_name: str
+    max_length: int
+    rows: int = 0
+    kept: int = 0
+    truncated: int = 0  # kept with the prompt cut from the left
+    dropped: int = 0  # longer than data.max_length
+    identical: int = 0  # chosen and rejected are the same tokens
+    longest: int = 0  # tokens in the longest kept sequence
+
+    def summary(self) -> str:
+        return (f"{self.source_name}: {self.rows} pairs -> {self.kept} kept ({self.truncated} "
+                f"with the prompt cut, {self.dropped} dropped as longer than data.max_length="
+                f"{self.max_length}, {self.identical} with chosen = rejected skipped); longest "
+                f"{self.longest} tokens")
+
+    def check_some_kept(self) -> None:
+        if self.kept:
+            return
+        if self.dropped:
+            raise DataError(f"data.max_length={self.max_length} cuts away all {self.dropped} "
+                            f"pairs of {self.source_name} (a response does not fit); raise "
+                            "data.max_length")
+        raise DataError(f"every pair of {self.source_name} has chosen = rejected: nothing to "
+                        "prefer; check data.chosen_field and data.rejected_field")
+
+
+@dataclass(frozen=True)
+class PreferenceFields:
+    """The data.* keys that name a record's fields, and how texts are rendered."""
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+    margin: Optional[str] = None
+    chat_template: str = "auto"
+    system_prompt: Optional[str] = None
+
+    @classmethod
+    def of(cls, d: Any) -> "PreferenceFields":
+        """From a config's DataConfig."""
+        return cls(d.prompt_field, d.chosen_field, d.rejected_field, d.margin_field,
+                   d.chat_template, d.system_prompt)
+
+
+def preference_texts(rows: Sequence[Dict[str, Any]], tokenizer: Any, f: PreferenceFields,
+                     source_name: str) -> Tuple[List[Tuple[str, str, str, float]], bool]:
+    """([(prompt text, chosen text, rejected text, margin)], whether a chat template rendered
+    them). A prompt of chat messages needs a template; the responses' texts are what the
+    template adds after the prompt (its generation prompt) for each of them."""
+    chat = any(isinstance(row.get(f.prompt), list) for row in rows)
+    templated = use_chat_template(tokenizer, f.chat_template, required=chat)
+    out = []
+    for i, row in enumerate(rows, start=1):
+        where = f"{source_name}: row {i}"
+        prompt = _messages_or_text(row, f.prompt, "data.prompt_field", source_name, i)
+        answers = [_messages_or_text(row, key, setting, source_name, i) for key, setting in
+                   ((f.chosen, "data.chosen_field"), (f.rejected, "data.rejected_field"))]
+        margin = 0.0
+        if f.margin is not None:
+            value = _field(row, f.margin, "data.margin_field", source_name, i)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise DataError(f"{where}: {f.margin!r} is a {type(value).__name__}, not a "
+                                "number; data.margin_field names each pair's margin")
+            margin = float(value)
+        if not templated:
+            if not all(isinstance(x, str) for x in [prompt] + answers):
+                raise DataError(f"{where}: chat messages need a chat template; set "
+                                "data.chat_template")
+            out.append((prompt, answers[0], answers[1], margin))
+            continue
+        head = [{"role": "system", "content": f.system_prompt}] if f.system_prompt else []
+        prompt_msgs = head + (prompt if isinstance(prompt, list)
+                              else [{"role": "user", "content": prompt}])
+        prompt_text = render_chat(tokenizer, prompt_msgs, True, where)
+        texts = []
+        for answer in answers:
+            turn = answer if isinstance(answer, list) else [{"role": "assistant",
+                                                              "content": answer}]
+            full = render_chat(tokenizer, prompt_msgs + turn, False, where)
+            if not full.startswith(prompt_text):
+                raise DataError(f"{where}: the chat template renders the prompt differently "
+                                "once a response follows it, so the response cannot be told "
+                                "apart; use a template that renders messages in order")
+            texts.append(full[len(prompt_text):])
+        out.append((prompt_text, texts[0], texts[1], margin))
+    return out, templated
+
+
+def _messages_or_text(row: Dict[str, Any], field: str, setting: str, source_name: str,
+                      row_number: int) -> Any:
+    value = _field(row, field, setting, source_name, row_number)
+    if isinstance(value, dict):  # one message
+        value = [value]
+    if isinstance(value, list):
+        for m in value:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise DataError(f"{source_name}: row {row_number} field {field!r}: every "
+                                "message must be a dict with text 'role' and 'content'")
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    return _text(row, field, setting, source_name, row_number)
+
+
+def encode_dpo(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: PreferenceFields, *,
+               max_length: int, source_name: str = "data") -> Tuple[List[Pair], PairStats]:
+    """Pairs for DPO: [BOS] + prompt + response + EOS, tokenized in parts (module docstring)."""
+    _check_inputs(rows, max_length, source_name)
+    texts, templated = preference_texts(rows, tokenizer, fields, source_name)
+    eos = eos_id(tokenizer)
+    prefix = [] if templated else special_prefix(tokenizer)
+    prompts = _tokenize(tokenizer, [t[0] for t in texts])
+    chosen = _tokenize(tokenizer, [t[1] for t in texts])
+    rejected = _tokenize(tokenizer, [t[2] for t in texts])
+    ends = tokenizer.eos_token or ""
+    stats = PairStats(source_name, max_length, rows=len(texts))
+    pairs: List[Pair] = []
+    for (_, c_text, r_text, margin), prompt, c, r in zip(texts, prompts, chosen, rejected):
+        c = c + [eos] if not (templated and c_text.rstrip().endswith(ends)) else c
+        r = r + [eos] if not (templated and r_text.rstrip().endswith(ends)) else r
+        if c == r:
+            stats.identical += 1
+            continue
+        room = max_length - len(prefix) - max(len(c), len(r))  # tokens left for the prompt
+        if room < (0 if prefix else 1):  # the first response token needs one before it
+            stats.dropped += 1
+            continue
+        if len(prompt) > room:
+            prompt = prompt[len(prompt) - room:]  # keep the end, next to the response
+            stats.truncated += 1
+        head = prefix + prompt
+        if not head:  # nothing before the response: its first token cannot be scored
+            stats.dropped += 1
+            continue
+        pairs.append({"chosen": head + c, "rejected": head + r, "prompt_len": len(head),
+                      "margin": margin})
+        stats.kept += 1
+        stats.longest = max(stats.longest, len(head) + max(len(c), len(r)))
+    stats.check_some_kept()
+    return pairs, stats
+
+
+def encode_reward(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: PreferenceFields, *,
+                  max_length: int, source_name: str = "data") -> Tuple[List[Pair], PairStats]:
+    """Pairs for a reward model: each whole text as transformers' tokenizer(text) encodes it."""
+    _check_inputs(rows, max_length, source_name)
+    texts, templated = preference_texts(rows, tokenizer, fields, source_name)
+    specials = not templated  # a rendered chat holds its special tokens as text already
+    chosen = _tokenize(tokenizer, [p + c for p, c, _, _ in texts], specials)
+    rejected = _tokenize(tokenizer, [p + r for p, _, r, _ in texts], specials)
+    stats = PairStats(source_name, max_length, rows=len(texts))
+    pairs: List[Pair] = []
+    for (_, _, _, margin), c, r in zip(texts, chosen, rejected):
+        if c == r:
+            stats.identical += 1
+        elif max(len(c), len(r)) > max_length:
+            stats.dropped += 1
+        else:
+            pairs.append({"chosen": c, "rejected": r, "prompt_len": 0, "margin": margin})
+            stats.kept += 1
+            stats.longest = max(stats.longest, len(c), len(r))
+    stats.check_some_kept()
+    return pairs, stats
+
+
+def _tokenize(tokenizer: Any, texts: List[str], specials: bool = False) -> List[List[int]]:
+    ids: List[List[int]] = []
+    for start in range(0, len(texts), _BATCH):
+        ids += tokenizer(texts[start:start + _BATCH], add_special_tokens=specials)["input_ids"]
+    return [list(x) for x in ids]
+
+
+def rows_from_preference_lists(prompts: Sequence[str], chosen: Sequence[str],
+                               rejected: Sequence[str], *, what: str = "train") -> List[dict]:
+    """Records from the Python API's parallel lists (train_prompts=, train_chosen=, ...)."""
+    lists = {f"{what}_prompts": prompts, f"{what}_chosen": chosen, f"{what}_rejected": rejected}
+    for name, values in lists.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise ConfigError(f"{name} must be a list of strings, got a {type(values).__name__}")
+    if len({len(v) for v in lists.values()}) > 1:
+        raise ConfigError(", ".join(f"{k} has {len(v)} items" for k, v in lists.items()) +
+                          "; give one chosen and one rejected response per prompt")
+    return [{"prompt": p, "chosen": c, "rejected": r}
+            for p, c, r in zip(prompts, chosen, rejected)]
+
+
+# ---- datasets and batches ----------------------------------------------------------------
+def preference_dataset(pairs: Sequence[Pair]) -> RaggedDataset:
+    """Encoded pairs as a map-style dataset; precomputed reference log-probs of (chosen,
+    rejected) join it later as the column "reference" (N, 2)."""
+    return RaggedDataset(pairs, what="preference pairs")
+
+
+class PairCollate:
+    """list of pairs -> (2B, T) rows, the B chosen first, right-padded to the longest.
+
+    `shift` (DPO): inputs are each sequence but its last token and `targets` the next tokens
+    of the response (IGNORE_INDEX over the prompt and pads); else (a reward model) the whole
+    sequences and each pair's `margin` (B,). A class, not a closure: DataLoader workers pickle
+    it."""
+
+    def __init__(self, pad_id: int, shift: bool):
+        if pad_id is None or pad_id < 0:
+            raise ConfigError(f"pad id {pad_id!r} is invalid; load the tokenizer with "
+                              "load_tokenizer, which sets one")
+        self.pad_id, self.shift = int(pad_id), shift
+
+    def __call__(self, batch: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+        seqs = [p["chosen"] for p in batch] + [p["rejected"] for p in batch]  # 2B of (L_i,)
+        if self.shift:
+            seqs = [s[:-1] for s in seqs]  # the last token is only ever a target
+        input_ids, attention_mask = pad_rows(seqs, self.pad_id)  # (2B, T), (2B, T)
+        out = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.shift:  # targets[j] = seq[j + 1], counted from the response's first token
+            targets = torch.full_like(input_ids, IGNORE_INDEX)  # (2B, T)
+            full = [p["chosen"] for p in batch] + [p["rejected"] for p in batch]
+            for b, (seq, start) in enumerate(zip(full, [p["prompt_len"] for p in batch] * 2)):
+                targets[b, start - 1:len(seq) - 1] = seq[start:]
+            out["targets"] = targets
+        else:
+            out["margin"] = torch.tensor([p["margin"] for p in batch], dtype=torch.float32)
+        if "reference" in batch[0]:  # (2B,): chosen, then rejected
+            ref = torch.as_tensor(np.stack([p["reference"] for p in batch]))  # (B, 2)
+            out["reference"] = torch.cat([ref[:, 0], ref[:, 1]])
+        return out

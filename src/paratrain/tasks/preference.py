@@ -1,0 +1,225 @@
+"""Direct preference optimization (`data.format=preference`, `trainer.objective=dpo`): a
+pretrained causal LM learns to prefer the chosen response of each pair over the rejected one,
+measured against a frozen reference model (Rafailov et al., 2023).
+
+Per pair, with log-probabilities summed over the response tokens only (prompt and pads masked):
+
+    z = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))
+    sigmoid: -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z)   (eps: label_smoothing)
+    ipo:     (z - 1 / (2 beta))^2          (summed log-probs here; TRL's ipo averages per token)
+    hinge:   max(0, 1 - beta z)
+
+The rewards are beta (log pi - log ref) of each response. Chosen and rejected rows go through
+the model in one forward (data/preference.py puts them in one batch). The loss unit is a pair,
+so the loop's weighting makes 1 and N workers (and any accumulation) the same run, and the
+reward figures (`train_counts` / `eval_counts`) are sums over pairs that the loop adds up over
+micro-steps and ranks exactly like the loss.
+
+The reference, decided once from the config (`Reference`): a frozen copy of model.path built
+and sharded like the policy (never in the optimizer, the gradients or the snapshots; counted in
+the memory table); with LoRA, the policy itself with its adapters switched off (peft's
+disable_adapter: no second copy, torchtune's way); `dpo.reference=DIR`, another frozen model;
+or `dpo.precompute_reference=true`: its log-probs computed once before training and cached with
+the data (reference_cache.py), so no reference is held while training.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, ContextManager, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.dataset import IGNORE_INDEX
+from ..formatting import human_count
+from .base import NO_FROZEN, Frozen, to_device
+from .causal_lm import CausalLMTask
+from .hf import Encoder
+
+
+class Reference(enum.Enum):
+    """Where DPO's reference log-probabilities come from."""
+    COPY = "a frozen copy of model.path, placed and sharded like the policy"
+    ADAPTERS_OFF = "the policy with its LoRA adapters off (no second copy)"
+    FOLDER = "a frozen model from dpo.reference, placed and sharded like the policy"
+    PRECOMPUTED = "log-probabilities computed once before training (no model held)"
+
+    @classmethod
+    def of(cls, cfg: Any) -> "Reference":
+        p = cfg.dpo
+        if p.precompute_reference:
+            return cls.PRECOMPUTED
+        if p.reference is not None:
+            return cls.FOLDER
+        return cls.ADAPTERS_OFF if cfg.model.lora.r > 0 else cls.COPY
+
+
+def _sigmoid(z: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return -(1 - eps) * F.logsigmoid(beta * z) - eps * F.logsigmoid(-beta * z)
+
+
+def _ipo(z: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return (z - 1 / (2 * beta)) ** 2
+
+
+def _hinge(z: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return torch.relu(1 - beta * z)
+
+
+DPO_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
+    "sigmoid": _sigmoid, "ipo": _ipo, "hinge": _hinge}  # registry.DPO_LOSSES names them
+
+
+@dataclass
+class DPOTask(CausalLMTask):
+    """Preference pairs on a causal LM against a reference (module docstring)."""
+    sample_name: ClassVar[str] = "pairs"
+    unit_name: ClassVar[str] = "pairs"
+    perplexity: ClassVar[bool] = False
+    units_per_sample: ClassVar[Optional[int]] = 1  # one loss unit per pair
+
+    def __post_init__(self) -> None:
+        self.reference = Reference.of(self.cfg)
+        self.pair_loss = DPO_LOSSES[self.cfg.dpo.loss]
+
+    @classmethod
+    def prepare(cls, cfg: Any, env: Any, records: Any, log: Callable[[str], None]) -> "DPOTask":
+        task = super().prepare(cfg, env, records, log)
+        if task.reference is Reference.PRECOMPUTED:
+            from .reference_cache import attach_reference
+            attach_reference(task, env, log)
+        return task  # type: ignore[return-value]
+
+    @classmethod
+    def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
+        from ..data.preference import encode_dpo
+        return PairEncoder(encode_dpo, cfg, tokenizer, notes)
+
+    @classmethod
+    def dataset(cls, examples: list) -> Any:
+        from ..data.preference import preference_dataset
+        return preference_dataset(examples)
+
+    @property
+    def collate(self) -> Callable[[list], Any]:
+        from ..data.preference import PairCollate
+        return PairCollate(self.tokenizer.pad_token_id, shift=True)
+
+    def build_frozen(self) -> dict[str, nn.Module]:
+        """The reference model, when one is held (not with LoRA's adapters off, nor with
+        precomputed log-probs). Seeded like the policy: a folder without weights gives the
+        policy's own random start."""
+        if self.reference not in (Reference.COPY, Reference.FOLDER):
+            return {}
+        from ..models.hf import HFArgs, build_hf
+        torch.manual_seed(self.cfg.trainer.seed)
+        path = self.cfg.dpo.reference or self.cfg.model.path
+        model = build_hf(HFArgs(str(path), len(self.tokenizer)))
+        model.config.pad_token_id = self.tokenizer.pad_token_id
+        return {"reference": model}
+
+    def count_units(self, batch: dict) -> int:
+        return int(batch["input_ids"].shape[0]) // 2
+
+    def loss(self, model: nn.Module, batch: dict, device: torch.device,
+             amp: ContextManager, frozen: Frozen = NO_FROZEN) -> tuple[torch.Tensor, int]:
+        s, n, _ = self.train_counts(model, batch, device, amp, frozen)
+        return s, n
+
+    def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
+                     amp: ContextManager, frozen: Frozen = NO_FROZEN
+                     ) -> tuple[torch.Tensor, int, dict]:
+        """(sum of the pairs' losses, pairs, sums of the rewards and of right preferences)."""
+        batch = to_device(batch, device)
+        with torch.no_grad():
+            ref = self.reference_logps(model, batch, amp, frozen)  # (2B,)
+        policy = sequence_logps(model, batch, amp)  # (2B,)
+        B = policy.shape[0] // 2
+        ratio = policy - ref  # (2B,) log pi - log ref of every response
+        z = ratio[:B] - ratio[B:]  # (B,)
+        losses = self.pair_loss(z, self.cfg.dpo.beta, self.cfg.dpo.label_smoothing)  # (B,)
+        rewards = self.cfg.dpo.beta * ratio.detach()  # (2B,)
+        return losses.sum(), B, reward_counts(rewards[:B], rewards[B:])
+
+    eval_counts = train_counts  # validation counts the same figures
+
+    def reference_logps(self, model: nn.Module, batch: dict, amp: ContextManager,
+                        frozen: Frozen) -> torch.Tensor:
+        """(2B,) the reference's summed response log-probs for the batch's rows."""
+        if self.reference is Reference.PRECOMPUTED:
+            return batch["reference"].float()
+        if self.reference is Reference.ADAPTERS_OFF:
+            peft_model = adapters_of(model)
+            with peft_model.disable_adapter():
+                return sequence_logps(peft_model, batch, amp)
+        return sequence_logps(frozen["reference"], batch, amp)
+
+    def train_metrics(self, counts: dict) -> dict:
+        return reward_metrics(counts)
+
+    def eval_metrics(self, counts: dict) -> dict:
+        return {**{f"val_{k}": v for k, v in reward_metrics(counts).items()},
+                "val_samples": int(counts.get("samples", 0))}
+
+    def describe(self, n_params: int) -> str:
+        p = self.cfg.dpo
+        return (f"DPO ({p.loss} loss, beta {p.beta}) on model hf ({self.cfg.model.path}): "
+                f"{human_count(n_params)} parameters; reference: {self.reference.value}; "
+                f"tokenizer {self.tokenizer_dir} ({len(self.tokenizer)} tokens)")
+
+    @property
+    def model_info(self) -> dict:
+        return {**super().model_info, "objective": "dpo"}
+
+
+def sequence_logps(model: nn.Module, batch: dict, amp: ContextManager) -> torch.Tensor:
+    """(N,) each row's log-probability of its counted targets, summed (pads, prompts:
+    IGNORE_INDEX targets count nothing)."""
+    targets = batch["targets"]  # (N, T)
+    with amp:
+        out = model(batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits = out.logits if hasattr(out, "logits") else out  # (N, T, V)
+    per_token = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                 ignore_index=IGNORE_INDEX, reduction="none")  # (N*T,)
+    return per_token.view(targets.shape).sum(-1)  # (N,)
+
+
+def adapters_of(model: nn.Module) -> nn.Module:
+    """The peft model inside whatever wraps it (DDP's module; FSDP2 shards it in place)."""
+    import peft
+    return next(m for m in model.modules() if isinstance(m, peft.PeftModel))
+
+
+def reward_counts(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
+    """Sums over pairs of the chosen and rejected rewards (B,) and of right preferences."""
+    return {"chosen": float(chosen.sum()), "rejected": float(rejected.sum()),
+            "correct": float((chosen > rejected).sum()), "samples": float(chosen.numel())}
+
+
+def reward_metrics(counts: dict) -> dict:
+    """Means per pair from summed counts: what metrics.jsonl, summary.json and TensorBoard
+    show (the accuracy: the share of pairs whose chosen response has the higher reward)."""
+    n = counts.get("samples", 0.0)
+    if not n:
+        return {}
+    chosen, rejected = counts["chosen"] / n, counts["rejected"] / n
+    return {"rewards/chosen": chosen, "rewards/rejected": rejected,
+            "rewards/margin": chosen - rejected, "accuracy": counts["correct"] / n}
+
+
+class PairEncoder(Encoder):
+    """A data/preference.py encoder with the config's fields and length."""
+
+    def __init__(self, encode: Any, cfg: Any, tokenizer: Any, notes: list):
+        from ..data.preference import PreferenceFields
+        self.encode, self.tokenizer, self.notes = encode, tokenizer, notes
+        self.fields, self.max_length = PreferenceFields.of(cfg.data), cfg.data.max_length
+
+    def __call__(self, rows: list, source_name: str) -> list:
+        pairs, stats = self.encode(rows, self.tokenizer, self.fields,
+                                   max_length=self.max_length, source_name=source_name)
+        self.notes.append(stats.summary())
+        return pairs

@@ -1,0 +1,132 @@
+"""Reward models (`data.format=preference`, `trainer.objective=reward`): a pretrained model with
+a one-score head (AutoModelForSequenceClassification, num_labels=1, built from a causal-LM folder
+as transformers does, or a classifier folder) learns to score each pair's chosen text above its
+rejected one, with the Bradley-Terry loss of InstructGPT and TRL's RewardTrainer:
+
+    -log sigmoid(r(chosen) - r(rejected) - margin)      (margin: data.margin_field, else 0)
+
+A text is the prompt followed by the response, tokenized whole as `tokenizer(text)` does, so the
+saved model/ scores a text with transformers alone exactly as training did. The loss unit is a
+pair; the accuracy (the share of pairs scored the right way round) and the mean scores are sums
+over pairs that the loop adds up over micro-steps and ranks like the loss.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, ContextManager, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from ..formatting import human_count
+from .base import NO_FROZEN, Frozen, to_device
+from .classify import load_classifier
+from .hf import Encoder, PretrainedTask, quiet_transformers
+from .preference import PairEncoder, reward_counts, reward_metrics
+
+SCORE_LABEL = "score"  # the head's one output, named in config.json's id2label
+
+
+@dataclass
+class RewardTask(PretrainedTask):
+    """Preference pairs on a one-score sequence-classification model (module docstring)."""
+    sample_name: ClassVar[str] = "pairs"
+    unit_name: ClassVar[str] = "pairs"
+    perplexity: ClassVar[bool] = False
+    units_per_sample: ClassVar[Optional[int]] = 1
+    lora_task_type: ClassVar[str] = "SEQ_CLS"  # peft trains the new head in full
+
+    @classmethod
+    def check_model(cls, cfg: Any) -> None:
+        """A model transformers cannot give a sequence-classification head is one line here,
+        before any worker starts."""
+        import transformers
+        quiet_transformers()
+        config = transformers.AutoConfig.from_pretrained(Path(cfg.model.path).expanduser(),
+                                                         local_files_only=True)
+        heads = transformers.AutoModelForSequenceClassification._model_mapping
+        if getattr(config, "is_encoder_decoder", False) or type(config) not in heads:
+            raise ConfigError(f"model.path={cfg.model.path!r} ({config.model_type}) cannot get "
+                              "a one-score sequence-classification head in transformers, so it "
+                              "cannot be a reward model; use a decoder-only or encoder-only "
+                              "model")
+
+    @classmethod
+    def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
+        from ..data.preference import encode_reward
+        return PairEncoder(encode_reward, cfg, tokenizer, notes)
+
+    @classmethod
+    def dataset(cls, examples: list) -> Any:
+        from ..data.preference import preference_dataset
+        return preference_dataset(examples)
+
+    @property
+    def collate(self) -> Callable[[list], Any]:
+        from ..data.preference import PairCollate
+        return PairCollate(self.tokenizer.pad_token_id, shift=False)
+
+    def load_pretrained(self) -> nn.Module:
+        return load_classifier(self.cfg.model.path, [SCORE_LABEL], self.tokenizer.pad_token_id,
+                               len(self.tokenizer))
+
+    def count_units(self, batch: dict) -> int:
+        return int(batch["input_ids"].shape[0]) // 2
+
+    def loss(self, model: nn.Module, batch: dict, device: torch.device,
+             amp: ContextManager, frozen: Frozen = NO_FROZEN) -> tuple[torch.Tensor, int]:
+        s, n, _ = self.train_counts(model, batch, device, amp, frozen)
+        return s, n
+
+    def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
+                     amp: ContextManager, frozen: Frozen = NO_FROZEN
+                     ) -> tuple[torch.Tensor, int, dict]:
+        """(sum of the pairs' losses, pairs, sums of the scores and of right orders)."""
+        batch = to_device(batch, device)
+        with amp:
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        scores = out.logits.float().squeeze(-1)  # (2B,)
+        B = scores.shape[0] // 2
+        losses = -F.logsigmoid(scores[:B] - scores[B:] - batch["margin"])  # (B,)
+        return losses.sum(), B, reward_counts(scores[:B].detach(), scores[B:].detach())
+
+    eval_counts = train_counts
+
+    def train_metrics(self, counts: dict) -> dict:
+        return reward_metrics(counts)
+
+    def eval_metrics(self, counts: dict) -> dict:
+        return {**{f"val_{k}": v for k, v in reward_metrics(counts).items()},
+                "val_samples": int(counts.get("samples", 0))}
+
+    def describe(self, n_params: int) -> str:
+        return (f"reward model hf ({self.cfg.model.path}, one-score head): "
+                f"{human_count(n_params)} parameters; tokenizer {self.tokenizer_dir} "
+                f"({len(self.tokenizer)} tokens)")
+
+    @property
+    def model_info(self) -> dict:
+        return {**super().model_info, "objective": "reward"}
+
+
+def generate_score(model_dir: Path, prompt: str, opts: Any) -> str:
+    """`paratrain generate` on a reward model's run: the score of --prompt (the whole text:
+    prompt and response), and on stderr what was done instead of continuing it."""
+    import transformers
+    quiet_transformers()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        model_dir, local_files_only=True, use_safetensors=True).to(opts.device).eval()
+    ids = tokenizer(prompt, return_tensors="pt").to(opts.device)
+    if ids["input_ids"].numel() == 0:
+        raise ConfigError("--prompt encodes to no tokens; give the text to score")
+    with torch.no_grad():
+        score = float(model(**ids).logits.float()[0, 0])
+    print(f"paratrain: {opts.run_dir} is a reward model: it scores --prompt (the prompt and "
+          "its response as one text) instead of continuing it", file=sys.stderr)
+    return f"{score:.6f}"
