@@ -28,7 +28,6 @@ when it checks the marker (store.problem). `paratrain checkpoint verify` reads e
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import zlib
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.storage import WriteResult
 # (not exported by torch.distributed.checkpoint; DCP picks it itself for a URL checkpoint_id)
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -72,13 +72,16 @@ def checksum_of(data: bytes) -> str:
 
 
 class HashingStream:
-    """A writable stream that hashes what it passes on (the bytes storage accepted). The first
-    error storage raised is kept: torch.save's zip writer reports a failed write as its own
-    "unexpected pos" error, and the user needs the real one (no space left, file too large)."""
+    """A writable stream that hashes what it passes on (the bytes storage took), and takes its
+    size from the stream's position at the end. torch.save's zip writer calls `write` thousands
+    of times per file, so the call does no more than one CRC (zlib takes any contiguous buffer).
+    The first error storage raised is kept: torch's zip writer reports a failed write as its
+    own "unexpected pos" error, and the user needs the real one (no space left, too large)."""
 
     def __init__(self, raw: Any):
         self.raw = raw
-        self.checksum = Checksum()
+        self.value = 0
+        self.size = -1
         self.error: Optional[BaseException] = None
 
     def write(self, data: Any) -> int:
@@ -87,9 +90,11 @@ class HashingStream:
         except Exception as e:
             self.error = self.error or e
             raise
-        view = memoryview(data)
-        self.checksum.update(view if n is None or n == view.nbytes else view.cast("B")[:n])
-        return view.nbytes if n is None else n
+        if n is None or n == len(data):
+            self.value = zlib.crc32(data, self.value)
+        else:  # took a part (or `data` is not counted in bytes): hash what storage took
+            self.value = zlib.crc32(memoryview(data).cast("B")[:n], self.value)
+        return n
 
     def tell(self) -> int:
         return self.raw.tell()
@@ -101,6 +106,7 @@ class HashingStream:
         return self.raw.fileno()
 
     def close(self) -> None:
+        self.finish()
         self.raw.close()
 
     @property
@@ -109,6 +115,14 @@ class HashingStream:
 
     def writable(self) -> bool:
         return True
+
+    def finish(self) -> "Checksum":
+        """The checksum of everything written, and the size (where the stream ends)."""
+        if not self.raw.closed:
+            self.size = self.raw.tell()
+        c = Checksum()
+        c.value, c.size = self.value, self.size
+        return c
 
 
 @dataclass(frozen=True)
@@ -121,8 +135,8 @@ class Written:
 
 @dataclass(frozen=True)
 class _Tagged:
-    """DCP's own storage record of one item, with the files its rank wrote riding along to rank
-    0 (unwrapped again before DCP writes `.metadata`)."""
+    """DCP's own storage record of a rank's first item, with the files that rank wrote riding
+    along to rank 0 in DCP's gathered write results (unwrapped before DCP writes `.metadata`)."""
     info: Any
     files: dict
 
@@ -151,7 +165,8 @@ class _HashingFS:
                 if stream.error is not None and stream.error is not e:
                     raise stream.error from e  # the storage's own error, not torch's echo of it
                 raise
-        self._written[os.path.basename(os.fspath(path))] = stream.checksum
+            checksum = stream.finish()  # (DCP closes shard files itself, not `.metadata`)
+        self._written[os.path.basename(os.fspath(path))] = checksum
 
 
 class _ChecksumWriter:
@@ -167,23 +182,27 @@ class _ChecksumWriter:
     def write_data(self, plan: Any, planner: Any) -> Any:
         from torch.futures import Future  # what DCP waits on
         results = super().write_data(plan, planner).wait()  # type: ignore[misc]
-        mine = {name: (c.size, c.hexdigest()) for name, c in self._local.items()}
+        if results:  # the first result carries this rank's files (a rank with none wrote none)
+            mine = {name: (c.size, c.hexdigest()) for name, c in self._local.items()}
+            first = results[0]
+            results = [WriteResult(first.index, first.size_in_bytes,
+                                   _Tagged(first.storage_data, mine)), *results[1:]]
         out: Future = Future()
-        out.set_result([dataclasses.replace(r, storage_data=_Tagged(r.storage_data, mine))
-                        for r in results])
+        out.set_result(results)
         return out
 
     def finish(self, metadata: Any, results: list) -> None:
         files: dict[str, Written] = {}
         plain = []
         for rank, rank_results in enumerate(results):
-            for r in rank_results:
-                tagged = r.storage_data
-                if isinstance(tagged, _Tagged):
-                    r = dataclasses.replace(r, storage_data=tagged.info)
-                    for name, (size, digest) in tagged.files.items():
-                        files[name] = Written(size, digest, rank)
-                plain.append(r)
+            if rank_results and isinstance(rank_results[0].storage_data, _Tagged):
+                first = rank_results[0]
+                tagged = first.storage_data
+                rank_results = [WriteResult(first.index, first.size_in_bytes, tagged.info),
+                                *rank_results[1:]]
+                for name, (size, digest) in tagged.files.items():
+                    files[name] = Written(size, digest, rank)
+            plain.extend(rank_results)
         self._local.clear()
         super().finish(metadata, [plain])  # type: ignore[misc]
         meta = self._local.pop(f"{METADATA}.tmp", None)  # renamed to .metadata by DCP
