@@ -203,21 +203,29 @@ def test_generate_renders_the_training_system_prompt(tiny, tmp_path):
 
 
 def test_load_model_on_a_fine_tuned_folder_and_its_portable_config(tiny, tmp_path):
+    """What transformers 4.4x needs (docs/transformers-compat.md has the check with 4.49): the
+    config's rope_theta at the top level, torch_dtype, a tokenizer class name it knows."""
     from paratrain import load_model
-    from paratrain.models.hf import portable_config
+    from paratrain.models.hf import make_portable
     model, tok = load_model(tiny)
     assert isinstance(model, transformers.LlamaForCausalLM) and not model.training
     assert tok("def f():")["input_ids"]
     out = tmp_path / "out"
     shutil.copytree(tiny, out)
-    portable_config(out)
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        "TokenizersBackend"  # what 5.x writes, and 4.x cannot load
+    make_portable(out)
     cfg = json.loads((out / "config.json").read_text())
     # transformers 5 keeps rope_theta in rope_parameters only; 4.x reads the top-level key
     assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == 10000.0
     assert cfg["torch_dtype"] == cfg["dtype"] == "float32"
-    again, _ = load_model(out)  # 5.x still reads it, to the same weights
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        "PreTrainedTokenizerFast"
+    assert (out / "tokenizer.json").read_bytes() == (tiny / "tokenizer.json").read_bytes()
+    again, tok2 = load_model(out)  # 5.x still reads it, to the same weights and ids
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  again.state_dict().values()))
+    assert tok2("def f():")["input_ids"] == tok("def f():")["input_ids"]
 
 
 def test_trainer_with_a_model_folder_and_a_data_file_reads_the_file(tiny, tmp_path):
