@@ -131,7 +131,7 @@ class Trainer:
         for k, v in (distributed_config or {}).items():
             dotted.append(f"distributed.{k}={_dot_value(v)}")
         self.cfg = cfg.with_overrides(dotted) if dotted else cfg
-        if self.given is None and model is not None:
+        if self.given is None and model is not None and not isinstance(model, (str, Path)):
             self.given = UserTask(model, train_data, val_data, loss_fn, collate_fn,
                                   tuple(fsdp_wrap))
 

@@ -13,7 +13,7 @@ import torch
 from tests.e2e._tiny_model import make_pairs, make_tiny_llama
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 STEPS, WARMUP, LR = 12, 3, 3e-3
 

@@ -79,9 +79,9 @@ def unloadable_message(tried: list[tuple[str, dict]], cfg: TrainConfig) -> str:
                 "run.dir")
     settings = "; ".join(f"{k}={saved[k]} in the snapshot, {now[k]} now"
                          for k in changed[:4])
-    return (f"{head}: the run dir holds a run with other settings ({settings}); to continue it, "
-            "run it with the snapshot's settings; to start a new run instead, pass another "
-            "run.name (Python: run_name=...) or run.overwrite=true to replace it")
+    return (f"{head}: it was saved with other settings ({settings}); to continue it, run with "
+            "the snapshot's settings; to start a new run instead, pass another run.name (Python: "
+            "run_name=...), or run.overwrite=true to replace this one")
 
 
 def prepare_run_dir(cfg: TrainConfig, resumed_step: Optional[int]) -> Path:

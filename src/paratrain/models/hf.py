@@ -61,6 +61,29 @@ def quiet_transformers() -> None:
                             category=FutureWarning)
 
 
+def make_portable(folder: Path) -> None:
+    """Make the model folder transformers 5 wrote readable by transformers 4.4x as well (users
+    still run them; DataDreamer pins 4.49): its config.json and tokenizer_config.json, where
+    present. docs/transformers-compat.md has the check this was measured with."""
+    folder = Path(folder)
+    if (folder / "config.json").is_file():
+        portable_config(folder)
+    if (folder / "tokenizer_config.json").is_file():
+        portable_tokenizer_config(folder)
+
+
+def portable_tokenizer_config(folder: Path) -> None:
+    """5.x names a plain fast tokenizer's class TokenizersBackend, which 4.x does not know
+    (`Tokenizer class TokenizersBackend does not exist`); PreTrainedTokenizerFast is the same
+    class under the name both read. Any other class name is left as it is."""
+    import json
+    path = Path(folder) / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def portable_config(folder: Path) -> None:
     """Make the config.json transformers 5 wrote in `folder` readable by 4.x as it reads 5.x's:
     5.x keeps rope_theta (and any rope scaling) only inside rope_parameters, which 4.x ignores
@@ -83,10 +106,10 @@ def save_hf(model: nn.Module, out_dir: Path, state: dict, tokenizer_path: Option
     """A `save_pretrained` folder (safetensors), written atomically like every output."""
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        portable_config(tmp)
         if tokenizer_path is not None:
             for name, f in tokenizer_files(tokenizer_path).items():
                 shutil.copyfile(f, tmp / name)
+        make_portable(tmp)
 
 
 def is_hf_folder(model_dir: Path) -> bool:

@@ -26,7 +26,7 @@ from ..dist import DistEnv
 from ..errors import ConfigError
 from ..fileio import atomic_dir
 from ..formatting import human_count
-from ..models.hf import portable_config, quiet_transformers
+from ..models.hf import make_portable, quiet_transformers
 from .base import MemoryProbe, NoFrozenModels, TaskRecords
 
 
@@ -207,11 +207,10 @@ class PretrainedTask(NoFrozenModels):
             self.add_files(tmp)
 
     def add_files(self, folder: Path) -> None:
-        """What goes next to the weights: a config.json transformers 4.x reads too, and the
-        tokenizer's files, as they are."""
-        if (folder / "config.json").is_file():  # not in adapter/, which has its own
-            portable_config(folder)
+        """What goes next to the weights: the tokenizer's files, as they are but for a class
+        name transformers 4.x does not know, and a config.json 4.x reads too."""
         copy_tokenizer_files(self.tokenizer_dir, folder)
+        make_portable(folder)
 
 
 def neftune_noise(alpha: float, module: nn.Module, inputs: Any, output: Any) -> Any:

@@ -1,0 +1,116 @@
+"""The README's "Fine-tune a pretrained model" section runs as printed: every command of its bash
+blocks and every Python block, in a folder holding what they name (`my-model/`: a tiny local
+Llama with a chat template, built here offline; train/val pairs, chat records and labelled
+reviews), with the real CLI and real worker processes, as a new user would copy them."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+from tests.e2e._tiny_model import make_pairs, make_tiny_llama, write_jsonl
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
+
+SECTION = "### Fine-tune a pretrained model"
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def readme_blocks() -> tuple[list[list[str]], list[str]]:
+    """(the section's shell commands as argument lists, its Python blocks' code)."""
+    text = (REPO / "README.md").read_text()
+    start = text.index(SECTION)
+    end = text.index("\n### ", start + len(SECTION))
+    section = text[start:end]
+    commands, python = [], []
+    for lang, body in re.findall(r"```(\w+)\n(.*?)```", section, flags=re.DOTALL):
+        if lang == "python":
+            python.append(body)
+        elif lang == "bash":
+            for line in body.replace("\\\n", " ").splitlines():
+                args = shlex.split(line, comments=True)
+                if args:
+                    commands.append(args)
+    return commands, python
+
+
+def _reviews(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    good, bad = ("great", "works well", "good value"), ("broke", "poor", "stopped working")
+    rows = []
+    for i in range(n):
+        label = "positive" if i % 2 else "negative"
+        words = [rng.choice(("the", "a", "this", "cable", "lamp", "after", "one", "week"))
+                 for _ in range(rng.randint(3, 6))]
+        words.insert(rng.randrange(len(words) + 1), rng.choice(good if i % 2 else bad))
+        rows.append({"text": " ".join(words), "label": label})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def user_folder(tmp_path_factory) -> Path:
+    """What the section's commands expect to find in the current directory."""
+    here = tmp_path_factory.mktemp("readme")
+    pairs = make_pairs(400)
+    make_tiny_llama(here / "my-model", [r["input"] + " " + r["output"] for r in pairs],
+                    chat_template=CHAT_TEMPLATE)
+    write_jsonl(here / "train.jsonl", pairs[:320])
+    write_jsonl(here / "val.jsonl", pairs[320:])
+    write_jsonl(here / "chat.jsonl", [{"messages": [
+        {"role": "user", "content": r["input"]},
+        {"role": "assistant", "content": r["output"]}]} for r in pairs[:200]])
+    write_jsonl(here / "reviews.jsonl", _reviews(256, 0))
+    write_jsonl(here / "reviews-val.jsonl", _reviews(31, 1))
+    return here
+
+
+def test_the_blocks_are_found():
+    commands, python = readme_blocks()
+    assert sum(c[:2] == ["paratrain", "train"] for c in commands) >= 4, commands
+    assert sum(c[:2] == ["paratrain", "generate"] for c in commands) >= 3, commands
+    assert python and all("Trainer(" in p for p in python)
+
+
+def test_every_command_and_python_block_runs_as_printed(user_folder):
+    commands, python = readme_blocks()
+    for args in commands:
+        assert args[0] == "paratrain", args
+        r = run_cli(args[1:], cwd=user_folder, timeout=420)
+        assert r.returncode == 0, (args, r.stderr[-3000:])
+        noise = r.stdout + r.stderr
+        assert "Traceback" not in noise and "FutureWarning" not in noise, (args, noise[-3000:])
+        assert "Loading weights" not in noise, (args, noise[-3000:])
+        if args[1] == "generate":
+            prompt = args[args.index("--prompt") + 1]
+            lines = r.stdout.rstrip("\n").split("\n")
+            run = json.loads(json.dumps(args[2]))
+            if run.endswith("classify"):  # a classifier prints the label
+                assert lines == [lines[0]] and lines[0] in ("positive", "negative"), r.stdout
+            else:  # the prompt, then the reply on a line of its own
+                assert lines[0] == prompt and len(lines) >= 2, r.stdout
+        elif "model.lora.r=8" in args:
+            assert "LoRA: adapters on 4 modules (q_proj x2, v_proj x2)" in r.stderr, r.stderr
+    runs = user_folder / "runs"
+    names = {p.name for p in runs.iterdir()}
+    assert {"my-model-pairs", "my-model-pairs-lora", "my-model-chat",
+            "my-model-classify"} <= names, names
+    assert "system_prompt: Answer in one line." in (runs / "my-model-chat" / "config.yaml"
+                                                    ).read_text()
+    for i, code in enumerate(python):
+        script = user_folder / f"readme_block_{i}.py"
+        script.write_text(code)
+        r = run_cli([str(script)], cwd=user_folder, timeout=600, launcher=[sys.executable])
+        assert r.returncode == 0, (code, r.stderr[-3000:])
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (runs / "api-lora" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (runs / "api-classify" / "summary.json").is_file()
