@@ -112,7 +112,7 @@ class TrainerConfig:
     early_stopping_threshold: float = 0.0  # an improvement lowers the validation loss by more
     keep_best: bool = False  # the output is the weights of the best evaluation, not the last
     objective: str = "auto"  # what data.format trains: auto (the format's first) | lm | sft |
-    # classify | dpo | reward (preference data)
+    # classify | dpo | reward (preference data) | seq2seq (pairs on an encoder-decoder model)
 
 
 @dataclass
