@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 from .errors import ParatrainError
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 USAGE_EXIT = 2
 
@@ -110,13 +113,29 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from .parallel.memory_plan import format_plan, plan_for_config
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)
-    rows, capacity, pick = plan_for_config(cfg)
+    rows, capacity, pick = plan_for_config(cfg, probe=_task_probe(cfg))
     if ns.json:
         print(json.dumps({"rows": [r.to_dict() for r in rows], "capacity_bytes": capacity,
-                          "auto": {"strategy": pick[0], "why": pick[1]}}, indent=2))
+                          "auto": {"strategy": pick.label, "why": pick.why}}, indent=2))
     else:
         print(format_plan(rows, capacity, pick))
     return 0
+
+
+def _task_probe(cfg: "TrainConfig") -> Any:
+    """A fine-tuning task's model (and its frozen models) for the memory plan; None: the
+    config's own model (model.arch llama/gpt)."""
+    from .tasks import registry
+    if not registry.for_config(cfg).pretrained:
+        return None
+    from .dist import DistEnv
+    from .errors import ConfigError
+    from .runtime.rank import prepare_task
+    probe = prepare_task(cfg, DistEnv(), quiet=True).memory_probe()
+    if probe is None:
+        raise ConfigError(f"paratrain plan cannot measure data.format={cfg.data.format}'s model "
+                          "yet (trainer.strategy=auto picks ddp for it)")
+    return probe
 
 
 def cmd_config_show(ns: argparse.Namespace) -> int:

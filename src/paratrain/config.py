@@ -134,7 +134,7 @@ class TrainerConfig:
     label_smoothing: float = 0.0  # token / text cross-entropy while training (not validation)
     neftune_noise_alpha: Optional[float] = None  # fine-tuning: NEFTune noise on the embeddings
     objective: str = "auto"  # what data.format trains: auto (the format's first) | lm | sft |
-    # classify | dpo | reward (preference data)
+    # classify | dpo | reward (preference data) | seq2seq (pairs on an encoder-decoder model)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 config, with a BPE tokenizer trained here, on synthetic pairs whose chosen responses mention a
 keyword the rejected ones lack. Real worker processes: at step 1 (policy = reference) the loss is
 log 2 and the rewards are 0; 1 worker, 2 with accumulation (DDP) and 2 under FSDP give the same
-losses and reward figures; the full reference stays bitwise the model it was loaded from; LoRA
+losses and reward figures, and so do reference log-probs precomputed once; the full reference
+stays bitwise the model it was loaded from; LoRA
 DPO under FSDP is killed after a committed snapshot and the same command ends bit-identical,
 with snapshots of the adapters alone; the Python API's lists learn the preference."""
 
@@ -67,20 +68,29 @@ if __name__ == "__main__":
 """
 
 
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory, llama, data) -> Path:
+    """10 steps of full DPO in one process: what the other layouts must reproduce."""
+    tmp = tmp_path_factory.mktemp("dpo-one")
+    r = run_cli(dpo_args(llama, *data, tmp / "one", **{"trainer.devices": "cpu",
+                                                       "trainer.batch_size": 8}), cwd=tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "reference: a frozen copy of model.path" in r.stderr
+    return tmp / "one"
+
+
 @pytest.mark.slow
-def test_step_one_is_log_2_and_one_two_workers_and_fsdp_agree(tmp_path, llama, data):
+def test_step_one_is_log_2_and_one_two_workers_and_fsdp_agree(tmp_path, llama, data,
+                                                               one_worker):
     """1 worker; 2 under DDP with 2 accumulation micro-steps; 2 under FSDP (through the Python
     API with a task that checks its reference on every micro-step): the same losses and reward
     figures, step 1 at log 2 with zero rewards, and the same final validation figures."""
     train, val = data
-    runs = {}
-    for name, extra in (("one", {"trainer.devices": "cpu", "trainer.batch_size": 8}),
-                        ("ddp", {"trainer.batch_size": 2, "trainer.strategy": "ddp"})):
-        run_dir = tmp_path / name
-        r = run_cli(dpo_args(llama, train, val, run_dir, **extra), cwd=tmp_path)
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs[name] = run_dir
-    assert "reference: a frozen copy of model.path" in r.stderr
+    runs = {"one": one_worker}
+    r = run_cli(dpo_args(llama, train, val, tmp_path / "ddp", **{
+        "trainer.batch_size": 2, "trainer.strategy": "ddp"}), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs["ddp"] = tmp_path / "ddp"
     overrides = dpo_args(llama, train, val, tmp_path / "unused")[1:]
     report = tmp_path / "checks"
     report.mkdir()
@@ -117,6 +127,28 @@ def test_step_one_is_log_2_and_one_two_workers_and_fsdp_agree(tmp_path, llama, d
     params = 4 * sum(t.numel() for t in _weights(llama).values())
     assert [m["frozen_bytes"] for m in memory] == [m["params_bytes"] for m in memory]
     assert sum(m["frozen_bytes"] for m in memory) == params  # sharded, not replicated
+
+
+@pytest.mark.slow
+def test_precomputed_reference_log_probs_give_the_same_run(tmp_path, llama, data, one_worker):
+    """dpo.precompute_reference=true on 2 workers: the calling process computes the reference's
+    log-probs once and caches them (the workers read them; no reference is held), and the run
+    is the one with a frozen reference."""
+    cache = tmp_path / "cache"
+    r = run_cli(dpo_args(llama, *data, tmp_path / "pre", **{
+        "dpo.precompute_reference": "true", "data.cache_dir": str(cache)}), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("reference log-probs of") == 2  # train and validation, once each
+    assert "reference: log-probabilities computed once before training" in r.stderr
+    assert len(list((cache / "dpo-reference").glob("*.npy"))) == 2
+    assert "frozen_bytes" not in read_summary(tmp_path / "pre")["memory"][0]
+    for a, b in zip(read_metrics(one_worker), read_metrics(tmp_path / "pre")):
+        # at step 1 every pair is a tie (policy = reference) that rounding breaks either way:
+        # log-probs computed in other batches differ in the last bits, so its accuracy is noise
+        for key in ("loss",) + REWARDS[:3] + (("accuracy",) if a["step"] > 1 else ()):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
+    assert read_summary(tmp_path / "pre")["val_loss"] == pytest.approx(
+        read_summary(one_worker)["val_loss"], abs=1e-5)
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -234,3 +266,23 @@ def _margin_with_transformers(policy_dir: Path, reference_dir: Path, rows: list[
                  for k in ("chosen", "rejected")]
         total += beta * (ratio[0] - ratio[1])
     return total / len(rows)
+
+
+def test_plan_counts_the_reference(tmp_path, llama, data, capsys):
+    """`paratrain plan` for DPO: the frozen reference is a column of its own, as large as the
+    policy's parameters and sharded like them; LoRA's reference (adapters off) and precomputed
+    log-probs hold none, and LoRA keeps gradients and optimizer state for the adapters only."""
+    from paratrain.cli import main
+    args = dpo_args(llama, *data, tmp_path / "plan")[1:]
+
+    def plan(*extra: str) -> dict:
+        assert main(["plan", *args, *extra, "--json"]) == 0
+        return {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    full, lora = plan(), plan("model.lora.r=4")
+    pre = plan("dpo.precompute_reference=true", f"data.cache_dir={tmp_path / 'cache'}")
+    params = 4 * sum(t.numel() for t in _weights(llama).values())
+    assert full["ddp"]["frozen_bytes"] == full["ddp"]["params_bytes"] == params
+    assert full["fsdp"]["frozen_bytes"] == params // 2
+    assert lora["ddp"]["frozen_bytes"] == pre["ddp"]["frozen_bytes"] == 0
+    assert 0 < lora["ddp"]["optimizer_bytes"] < 0.2 * full["ddp"]["optimizer_bytes"]
+    assert pre["ddp"]["device_bytes"] == full["ddp"]["device_bytes"] - params

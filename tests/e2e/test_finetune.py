@@ -150,7 +150,8 @@ def test_bad_fine_tuning_input_is_one_line_and_exit_2(tmp_path, pretrained, pair
     encdec.mkdir()
     (encdec / "config.json").write_text(json.dumps({"model_type": "t5",
                                                     "is_encoder_decoder": True}))
-    r = run_cli(_finetune_args(encdec, train, val, tmp_path / "r3"), cwd=tmp_path)
+    r = run_cli(_finetune_args(encdec, train, val, tmp_path / "r3", **{"data.format": "chat"}),
+                cwd=tmp_path)  # (pairs train an encoder-decoder model: tasks/seq2seq.py)
     assert r.returncode == 2 and "encoder-decoder" in r.stderr
     notok = tmp_path / "no-tokenizer"
     notok.mkdir()

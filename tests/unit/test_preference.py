@@ -147,12 +147,16 @@ def test_which_task_a_config_trains(tmp_path):
         "RewardTask")
     pairs = ["data.format=pairs"]
     assert registry.for_config(_cfg(llama, *pairs)).task.endswith("PairsTask")
-    with pytest.raises(ConfigError, match="trainer.objective='dpo' does not apply to "
-                                          "data.format=pairs; it trains: sft"):
-        _cfg(llama, *pairs, "trainer.objective=dpo")
+    assert registry.for_config(_cfg(t5, *pairs)).task.endswith("Seq2SeqTask")
+    with pytest.raises(ConfigError, match="trainer.objective='reward' does not apply to "
+                                          "data.format=pairs; it trains: sft, seq2seq"):
+        _cfg(llama, *pairs, "trainer.objective=reward")
+    with pytest.raises(ConfigError, match="trainer.objective=seq2seq trains an encoder-decoder "
+                                          "model .* is a decoder-only model"):
+        _cfg(llama, *pairs, "trainer.objective=seq2seq")
     with pytest.raises(ConfigError, match="is an encoder-decoder model .t5.; data.format="
                                           "preference with trainer.objective=auto trains "
-                                          "decoder-only models"):
+                                          "decoder-only models; .* data.format=pairs"):
         _cfg(t5)
     with pytest.raises(ConfigError, match="data.format=chat"):
         _cfg(t5, "data.format=chat")

@@ -137,6 +137,22 @@ def load_hf(model_dir: Path, device: Any = "cpu") -> tuple[nn.Module, Any]:
     return model.to(device).eval(), tokenizer
 
 
+def load_for_prompt(model_dir: Path, auto_class: str, prompt: str, device: str
+                    ) -> tuple[Any, nn.Module, Any]:
+    """(tokenizer, model in eval mode on `device`, the prompt encoded as tensors) for a trained
+    folder (local safetensors only), loaded with the transformers class `auto_class`; a prompt
+    with no tokens is one ConfigError line."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = getattr(transformers, auto_class).from_pretrained(
+        model_dir, local_files_only=True, use_safetensors=True).to(device).eval()
+    ids = tokenizer(prompt, return_tensors="pt").to(device)
+    if ids["input_ids"].numel() == 0:
+        raise ConfigError("--prompt encodes to no tokens; give some text")
+    return tokenizer, model, ids
+
+
 def generate_hf_chat(model_dir: Path, prompt: str, opts: Any) -> str:
     """A chat run: the prompt is a user turn (after the run's system prompt) rendered with its
     chat template; the prompt, then the reply on a line of its own."""

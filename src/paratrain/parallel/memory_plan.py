@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -72,12 +72,16 @@ def candidate_label(parallelism: Parallelism, activation_checkpointing: bool) ->
 
 
 def state_bytes(params: List[torch.Size], parallelism: Parallelism, world: int,
-                precision: str) -> tuple[int, int, int]:
+                precision: str, trainable: Optional[List[torch.Size]] = None
+                ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes on rank 0. AdamW keeps two moments per element in the
-    parameter's dtype plus a 4-byte step counter per tensor."""
+    parameter's dtype plus a 4-byte step counter per tensor; only `trainable` parameters (all,
+    when not given; LoRA's adapters) have gradients and optimizer state."""
     width = PARAM_BYTES[precision]
+    trainable = params if trainable is None else trainable
     numel = sum(parallelism.state_numel(s, world) for s in params)
-    return numel * width, numel * width, 2 * numel * width + 4 * len(params)
+    tuned = sum(parallelism.state_numel(s, world) for s in trainable)
+    return numel * width, tuned * width, 2 * tuned * width + 4 * len(trainable)
 
 
 def activation_bytes_per_sample(factory: Callable[[], nn.Module], seq_length: int,
@@ -115,6 +119,7 @@ def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, mi
         frozen = [p.shape for m in (frozen_factory() if frozen_factory else {}).values()
                   for p in m.parameters()]
     shapes = [p.shape for p in meta.parameters()]
+    trainable = [p.shape for p in meta.parameters() if p.requires_grad]
     blocks = getattr(meta, "layers", None)
     biggest_block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) \
         if isinstance(blocks, nn.ModuleList) else 0
@@ -126,7 +131,7 @@ def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, mi
 
     def row(parallelism: Parallelism, checkpointing: bool, activations: int,
             on_device: bool = True) -> Estimate:
-        parts = state_bytes(shapes, parallelism, world, precision)
+        parts = state_bytes(shapes, parallelism, world, precision, trainable)
         held = sum(parallelism.state_numel(s, world) for s in frozen) * PARAM_BYTES[precision]
         peak = activations + (gathered if parallelism.sharded else 0) + (
             sum(parts) + held if on_device else 0)
@@ -174,36 +179,46 @@ def device_capacity(device: torch.device, local_workers: int) -> int:
 
 
 def format_plan(rows: List[Estimate], capacity: int, pick: Choice) -> str:
+    frozen = any(r.frozen_bytes for r in rows)  # a task's untrained models (DPO's reference)
     head = (f"{'strategy':<14}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}"
-            f"{'per device':>12}  fits")
+            + (f"{'frozen':>10}" if frozen else "") + f"{'per device':>12}  fits")
     lines = [head]
     for r in rows:
         fits = "yes" if r.device_bytes <= capacity * MARGIN else "no"
         lines.append(f"{r.label:<14}{human_bytes(r.params_bytes):>10}"
                      f"{human_bytes(r.grads_bytes):>10}{human_bytes(r.optimizer_bytes):>11}"
-                     f"{human_bytes(r.activation_bytes):>13}{human_bytes(r.device_bytes):>12}"
-                     f"  {fits}")
+                     f"{human_bytes(r.activation_bytes):>13}"
+                     + (f"{human_bytes(r.frozen_bytes):>10}" if frozen else "")
+                     + f"{human_bytes(r.device_bytes):>12}  {fits}")
     lines.append(f"device capacity {human_bytes(capacity)} (planning to {int(MARGIN * 100)}%); "
                  f"auto picks {pick.label} ({pick.why})")
     return "\n".join(lines)
 
 
 def plan_for_config(cfg, world: Optional[int] = None, device: Optional[torch.device] = None,
-                    local_workers: Optional[int] = None) -> tuple[List[Estimate], int, Choice]:
-    """(rows, capacity, pick) for a TrainConfig's own model: what `paratrain plan` prints."""
+                    local_workers: Optional[int] = None, probe: Any = None
+                    ) -> tuple[List[Estimate], int, Choice]:
+    """(rows, capacity, pick) for a TrainConfig's own model, or for the model a task describes
+    (`probe`: its tasks.base.MemoryProbe, frozen models included): what `paratrain plan`
+    prints."""
     from ..launch.environment import parse_devices
     from ..models import build_model, resolve_model_config
     from .strategies import shard_group
     devices = parse_devices(cfg.trainer.devices)
     world = world or len(devices) * cfg.distributed.max_nodes
-    vocab = cfg.model.vocab_size or cfg.data.vocab_size
-    args = resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
+    if probe is None:
+        vocab = cfg.model.vocab_size or cfg.data.vocab_size
+        args = resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
+        factory, seq_length, frozen = (lambda: build_model(args)), cfg.data.seq_length, None
+    else:
+        factory, seq_length, vocab = probe.build_model, probe.seq_length, probe.vocab_size
+        frozen = probe.build_frozen
     local = local_workers or len(devices)
     override = cfg.trainer.shard_group_size  # a bad one is the error `train` would give
     group = shard_group(world, local, override) if override is not None else local
-    rows = estimate(lambda: build_model(args), world=world, precision=cfg.trainer.precision,
-                    micro_batch=cfg.trainer.batch_size, seq_length=cfg.data.seq_length,
+    rows = estimate(factory, world=world, precision=cfg.trainer.precision,
+                    micro_batch=cfg.trainer.batch_size, seq_length=seq_length,
                     vocab_size=vocab, reshard_after_forward=cfg.trainer.reshard_after_forward,
-                    shard_group_size=group)
+                    shard_group_size=group, frozen_factory=frozen)
     capacity = device_capacity(device or devices[0], local)
     return rows, capacity, choose(rows, capacity)

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..data.dataset import IGNORE_INDEX
 from ..formatting import human_count
-from .base import NO_FROZEN, Frozen, to_device
+from .base import NO_FROZEN, Frozen, MemoryProbe, to_device
 from .causal_lm import CausalLMTask
 from .hf import Encoder
 
@@ -110,16 +110,29 @@ class DPOTask(CausalLMTask):
 
     def build_frozen(self) -> dict[str, nn.Module]:
         """The reference model, when one is held (not with LoRA's adapters off, nor with
-        precomputed log-probs). Seeded like the policy: a folder without weights gives the
-        policy's own random start."""
+        precomputed log-probs)."""
         if self.reference not in (Reference.COPY, Reference.FOLDER):
             return {}
+        return {"reference": self.build_reference(self.cfg.dpo.reference or self.cfg.model.path)}
+
+    def build_reference(self, path: str) -> nn.Module:
+        """The causal LM at `path`, seeded like the policy (a folder without weights gives the
+        policy's own random start)."""
         from ..models.hf import HFArgs, build_hf
         torch.manual_seed(self.cfg.trainer.seed)
-        path = self.cfg.dpo.reference or self.cfg.model.path
         model = build_hf(HFArgs(str(path), len(self.tokenizer)))
         model.config.pad_token_id = self.tokenizer.pad_token_id
-        return {"reference": model}
+        return model
+
+    def memory_probe(self) -> Optional[MemoryProbe]:
+        """The policy (with its adapters, under LoRA) and the reference it holds, from their
+        configs; a sample is a pair: two rows of the longest sequence."""
+        longest = int(max(self.train_ds.lengths(side).max() for side in ("chosen", "rejected")))
+        reference = self.cfg.dpo.reference or self.cfg.model.path
+        held = self.reference in (Reference.COPY, Reference.FOLDER)
+        return MemoryProbe(_PairProbe(self.cfg, self.cfg.model.path), longest,
+                           len(self.tokenizer),
+                           build_frozen=_FrozenProbe(self.cfg, reference) if held else None)
 
     def count_units(self, batch: dict) -> int:
         return int(batch["input_ids"].shape[0]) // 2
@@ -173,6 +186,43 @@ class DPOTask(CausalLMTask):
     @property
     def model_info(self) -> dict:
         return {**super().model_info, "objective": "dpo"}
+
+
+class _PairProbe:
+    """The memory plan's factory: the policy built from its config (random weights: only shapes
+    and activations are measured), its forward run on both rows of a pair."""
+
+    def __init__(self, cfg: Any, path: str):
+        self.cfg, self.path = cfg, path
+
+    def __call__(self) -> nn.Module:
+        import transformers
+
+        from .lora import apply_lora
+        config = transformers.AutoConfig.from_pretrained(self.path, local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        if self.cfg.model.lora.r > 0:
+            model = apply_lora(model, self.cfg.model.lora)
+        return _BothRows(model)
+
+
+class _FrozenProbe(_PairProbe):
+    def __call__(self) -> dict[str, nn.Module]:  # type: ignore[override]
+        import transformers
+        config = transformers.AutoConfig.from_pretrained(self.path, local_files_only=True)
+        return {"reference": transformers.AutoModelForCausalLM.from_config(config)}
+
+
+class _BothRows(nn.Module):
+    """(1, T) ids -> the logits of the first row, after a forward of the pair's two rows."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self._no_split_modules = getattr(model, "_no_split_modules", None)  # its blocks
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx.repeat(2, 1)).logits[:1]  # (1, T, V) of (2, T, V)
 
 
 def sequence_logps(model: nn.Module, batch: dict, amp: ContextManager) -> torch.Tensor:

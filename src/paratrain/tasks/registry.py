@@ -246,3 +246,9 @@ register(TaskSpec(
     record_fields=PREFERENCE_FIELDS, checks=(_check_preference,), encoder_decoder=None,
     generate="paratrain.tasks.reward:generate_score",
     summary="a reward model (a one-score head) on preference pairs, Bradley-Terry loss"))
+register(TaskSpec(
+    "pairs", "paratrain.tasks.seq2seq:Seq2SeqTask", pretrained=True, objective="seq2seq",
+    record_fields=("input", "output"), encoder_decoder=True,
+    generate="paratrain.tasks.seq2seq:generate_seq2seq",
+    summary="a pretrained encoder-decoder model (T5, BART) on input->output pairs, the loss on "
+            "the outputs"))

@@ -117,14 +117,9 @@ class RewardTask(PretrainedTask):
 def generate_score(model_dir: Path, prompt: str, opts: Any) -> str:
     """`paratrain generate` on a reward model's run: the score of --prompt (the whole text:
     prompt and response), and on stderr what was done instead of continuing it."""
-    import transformers
-    quiet_transformers()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        model_dir, local_files_only=True, use_safetensors=True).to(opts.device).eval()
-    ids = tokenizer(prompt, return_tensors="pt").to(opts.device)
-    if ids["input_ids"].numel() == 0:
-        raise ConfigError("--prompt encodes to no tokens; give the text to score")
+    from ..models.hf import load_for_prompt
+    _, model, ids = load_for_prompt(model_dir, "AutoModelForSequenceClassification", prompt,
+                                    opts.device)
     with torch.no_grad():
         score = float(model(**ids).logits.float()[0, 0])
     print(f"paratrain: {opts.run_dir} is a reward model: it scores --prompt (the prompt and "
