@@ -75,18 +75,27 @@ def make_hf_tokenizer(out: Path, texts: list[str], vocab_size: int = 400, bos: b
     return out
 
 
-def make_hf_llama(out: Path, texts: list[str], vocab_size: int = 384, bos: bool = True) -> Path:
+def make_hf_llama(out: Path, texts: list[str], vocab_size: int = 384, bos: bool = True,
+                  hidden_size: int = 64, max_positions: int = 64, seed: int = 0,
+                  chat_template: str | None = None) -> Path:
     """A tiny 'pretrained' Hugging Face LlamaForCausalLM folder, made offline: random weights
-    (seed 0) saved with save_pretrained beside a tokenizer from `make_hf_tokenizer` (no pad
-    token), its BOS/EOS ids in the model's config."""
+    (`seed`; 2 layers, 4 heads, 2 KV heads, an MLP twice `hidden_size`) saved with
+    save_pretrained beside a tokenizer from `make_hf_tokenizer` (no pad token; `chat_template`
+    saved with it), its BOS/EOS ids in the model's config. The one builder of the tests' HF
+    Llamas."""
+    import torch
     import transformers
     make_hf_tokenizer(out, texts, vocab_size, bos=bos)
     tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+        tok.save_pretrained(out)
+    torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    transformers.set_seed(0)
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
     return out
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests._runs import tiny_run
-from tests.conftest import read_metrics, tiny_overrides
+# finish, start_cli: conftest's, the one CLI runner (tests that import them from here still can)
+from tests.conftest import finish, read_metrics, start_cli, tiny_overrides  # noqa: F401
 
 # 16 steps of 8 sequences, a snapshot every 4 steps, sample ids recorded.
 BASE = {"trainer.devices": "cpu:2", "trainer.batch_size": 4, "trainer.global_batch_size": 8,

@@ -29,6 +29,9 @@ from tests.conftest import (
 
 pytestmark = pytest.mark.timeout(180)
 
+# the names other test files import from here; the runner itself lives in conftest
+start, finish = start_cli, finish_all
+
 
 def node_args(corpus_dir, cache_dir, node_rank, port, nnodes=2, **extra) -> list[str]:
     return ["train"] + tiny_overrides(corpus_dir, cache_dir, **{
