@@ -1,8 +1,11 @@
-"""Shared fixtures: a small real-text corpus, a shared token cache, and a bounded CLI runner.
+"""Shared fixtures: a small real-text corpus, a shared token cache, a tiny Hugging Face Llama, and
+the one CLI runner.
 
-Every run of the CLI goes through `run_cli`, which starts a new process group and kills the
-whole group (workers included) when the time is up, so a hung distributed test fails instead of
-hanging CI.
+Every CLI process starts through `start_cli` (`run_cli` waits for it), in a session of its own
+that `finish` kills whole (workers included) when the time is up, so a hung distributed test
+fails instead of hanging CI. Input the CLI must refuse is checked in this process (`cli_error`,
+through the same cli.main); a real process is kept for one error of each kind. Finished runs
+that several tests read are trained once per session: tests/_runs.py.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -71,25 +75,130 @@ def make_hf_tokenizer(out: Path, texts: list[str], vocab_size: int = 400, bos: b
     return out
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 180, env: dict | None = None,
-            module: str = "paratrain", launcher: list[str] | None = None
-            ) -> subprocess.CompletedProcess:
-    """`python -m paratrain ARGS` (or LAUNCHER ARGS), killed with its workers after `timeout`."""
-    full_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC",
-                                     "GROUP_RANK", "LOCAL_WORLD_SIZE", "SLURM_"))}
-    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, **(env or {}))
-    cmd = (launcher or [sys.executable, "-m", module]) + list(args)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+def make_hf_llama(out: Path, texts: list[str], vocab_size: int = 384, bos: bool = True,
+                  hidden_size: int = 64, max_positions: int = 64, seed: int = 0,
+                  chat_template: str | None = None) -> Path:
+    """A tiny 'pretrained' Hugging Face LlamaForCausalLM folder, made offline: random weights
+    (`seed`; 2 layers, 4 heads, 2 KV heads, an MLP twice `hidden_size`) saved with
+    save_pretrained beside a tokenizer from `make_hf_tokenizer` (no pad token; `chat_template`
+    saved with it), its BOS/EOS ids in the model's config. The one builder of the tests' HF
+    Llamas."""
+    import torch
+    import transformers
+    make_hf_tokenizer(out, texts, vocab_size, bos=bos)
+    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+        tok.save_pretrained(out)
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def corpus_texts(corpus_dir: Path) -> list[str]:
+    """The corpus's documents as paratrain reads them."""
+    from paratrain.data import resolve_corpus
+    return list(resolve_corpus(str(corpus_dir)).documents())
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tmp_path_factory, corpus_dir) -> Path:
+    """One tiny Hugging Face Llama with its own tokenizer (Llama-like <s>/</s> at ids 384 and
+    385, trained on the corpus), for the tests that need a pretrained model folder to train on
+    the corpus or to refuse bad input with: built once, in this process."""
+    pytest.importorskip("transformers")
+    return make_hf_llama(tmp_path_factory.mktemp("hf") / "tiny-llama", corpus_texts(corpus_dir))
+
+
+def cli_env(extra: dict | None = None) -> dict:
+    """The environment a CLI process gets: no launcher variables (a test may itself run under
+    one), one thread per rank, unbuffered output."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC",
+                                "GROUP_RANK", "LOCAL_WORLD_SIZE", "SLURM_"))}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, **(extra or {}))
+    return env
+
+
+def start_cli(args: list[str], cwd: Path, env: dict | None = None,
+              launcher: list[str] | None = None, prefix: list[str] | None = None
+              ) -> subprocess.Popen:
+    """`python -m paratrain ARGS` (or LAUNCHER ARGS; PREFIX before it, e.g. `ip netns exec NS`)
+    started in a session of its own, so the whole job (workers included) can be killed."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    cmd = (prefix or []) + (launcher or [sys.executable, "-m", "paratrain"]) + list(args)
+    return subprocess.Popen(cmd, cwd=cwd, env=cli_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Wait for a started CLI; past `timeout` kill its whole session and fail the test."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s\nstdout:\n{out}\n"
-                    f"stderr:\n{err[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        pytest.fail(f"{' '.join(map(str, proc.args))} did not finish in {timeout} s\n"
+                    f"stdout:\n{out[-2000:]}\nstderr:\n{err[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def finish_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """Wait for several CLIs (the nodes of one job); on timeout kill every one and fail with
+    what each printed."""
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            out.append((p.returncode, o, e))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        logs = "\n".join(f"--- node {i}\n{p.communicate()[1][-2000:]}"
+                         for i, p in enumerate(procs))
+        pytest.fail(f"nodes did not finish in {timeout} s\n{logs}")
+    return out
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 180, env: dict | None = None,
+            launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m paratrain ARGS` (or LAUNCHER ARGS) to the end, killed with its workers after
+    `timeout`."""
+    return finish(start_cli(args, cwd, env=env, launcher=launcher), timeout)
+
+
+def one_error_line(err: str) -> str:
+    """The one `paratrain: error:` line a refused command printed (and no traceback)."""
+    lines = [x for x in err.strip().splitlines() if x.startswith("paratrain: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def cli_error(capsys, argv: list[str], only_line: bool = False) -> str:
+    """`paratrain ARGV` run in this process (cli.main, what the console entry point calls) for
+    input it must refuse: exit code 2, no traceback, one line saying so (progress lines may come
+    first; `only_line`: nothing else at all). Returns that line. Cheaper than a process: one real
+    process per kind of error checks the exit code of the entry point itself (test_errors.py)."""
+    from paratrain import cli
+    capsys.readouterr()  # what the test printed before is not this command's
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    errors = lines if only_line else [x for x in lines if not x.startswith("[paratrain] ")]
+    assert len(errors) == 1, err
+    assert errors[0].startswith("paratrain: error: ")
+    return errors[0]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

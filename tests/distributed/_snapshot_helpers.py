@@ -1,6 +1,6 @@
-"""Helpers for the snapshot / restart tests: start the CLI without waiting, find its worker
-processes, wait for a condition, compare two runs, and one cached uninterrupted reference run per
-configuration (shared by the tests that compare against it)."""
+"""Helpers for the snapshot / restart tests: find a running job's worker processes, wait for a
+condition, compare two runs, and the uninterrupted reference run of a configuration (the
+session's cached run, tests/_runs.py, shared by the tests that compare against it)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -17,7 +16,9 @@ from typing import Callable
 import pytest
 import torch
 
-from tests.conftest import read_metrics, run_cli, tiny_overrides
+from tests._runs import tiny_run
+# finish, start_cli: conftest's, the one CLI runner (tests that import them from here still can)
+from tests.conftest import finish, read_metrics, start_cli, tiny_overrides  # noqa: F401
 
 # 16 steps of 8 sequences, a snapshot every 4 steps, sample ids recorded.
 BASE = {"trainer.devices": "cpu:2", "trainer.batch_size": 4, "trainer.global_batch_size": 8,
@@ -29,32 +30,6 @@ BASE = {"trainer.devices": "cpu:2", "trainer.batch_size": 4, "trainer.global_bat
 def args_for(corpus_dir: Path, cache_dir: Path, name: str, **extra) -> list[str]:
     return ["train"] + tiny_overrides(corpus_dir, cache_dir, **{**BASE, "run.name": name,
                                                                  **extra})
-
-
-def clean_env(extra: dict | None = None) -> dict:
-    """The environment run_cli gives a CLI run: no launcher variables, one thread per rank."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC",
-                                "GROUP_RANK", "LOCAL_WORLD_SIZE", "SLURM_"))}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, **(extra or {}))
-    return env
-
-
-def start_cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
-    """`python -m paratrain ARGS` in a session of its own (so the whole job can be killed)."""
-    return subprocess.Popen([sys.executable, "-m", "paratrain"] + args, cwd=cwd,
-                            env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"run did not finish in {timeout} s\nstderr:\n{err[-4000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def kill_job(proc: subprocess.Popen) -> str:
@@ -142,15 +117,6 @@ def interrupted_copy(ref: Path, dst: Path, keep_until: int) -> Path:
     return dst
 
 
-_REFERENCES: dict[tuple, Path] = {}
-
-
 def reference_run(tmp_path_factory, corpus_dir: Path, cache_dir: Path, **extra) -> Path:
-    """An uninterrupted run of BASE + extra, trained once per test session."""
-    key = tuple(sorted((k, str(v)) for k, v in extra.items()))
-    if key not in _REFERENCES:
-        cwd = tmp_path_factory.mktemp("reference")
-        r = run_cli(args_for(corpus_dir, cache_dir, "ref", **extra), cwd=cwd, timeout=240)
-        assert r.returncode == 0, r.stderr[-3000:]
-        _REFERENCES[key] = cwd / "runs" / "ref"
-    return _REFERENCES[key]
+    """The run dir of an uninterrupted run of BASE + extra (the session's cached run)."""
+    return tiny_run(tmp_path_factory, corpus_dir, cache_dir, **{**BASE, **extra}).dir

@@ -50,3 +50,33 @@ def _tiny() -> dict:
     from paratrain.models.presets import resolve_model_config
     return resolve_model_config(ModelConfig(preset="tiny"), vocab_size=97,
                                 seq_length=16).to_dict()
+
+
+def resave_snapshot(rank: int, world: int, port: int, overrides: list[str]) -> None:
+    """Today's code on `world` gloo ranks, with the run plan of `overrides`: load the snapshot
+    `checkpoint.resume` names, then save that same state again as this run's snapshot of the
+    same step, as a run writes its snapshots (the state, the loop's and every rank's)."""
+    from paratrain.checkpoint.snapshotter import Snapshotter
+    from paratrain.config import TrainConfig
+    from paratrain.runplan import make_plan
+    from paratrain.runtime.rank import _build, prepare_task
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cfg = TrainConfig.from_yaml(None, overrides)
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                  device=torch.device("cpu"), backend="gloo", timeout_s=60)
+    torch.set_num_threads(1)
+    env.init()
+    model = optimizer = snapshots = None
+    try:
+        task = prepare_task(cfg, env, quiet=True)  # the token cache is there already
+        plan = make_plan(cfg, task, devices=[env.device] * world, world_size=world,
+                         local_world_size=world)
+        model, optimizer, scheduler, scaler, _, _ = _build(plan, env, task)
+        snapshots = Snapshotter(plan, env, model, optimizer, scheduler, scaler,
+                                model_info=task.model_info, tokenizer_path=task.tokenizer_path)
+        resumed = snapshots.resume()
+        assert resumed is not None and resumed.rank is not None
+        snapshots.save(resumed.step, resumed.rank, blocking=True)
+    finally:
+        del model, optimizer, snapshots  # a live wrapped model at teardown can abort
+        env.teardown()

@@ -10,7 +10,8 @@ import torch
 import torch.multiprocessing as mp
 
 from paratrain.launch.environment import free_port
-from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
+from tests._runs import tiny_run
+from tests.conftest import read_metrics, read_summary
 from tests.distributed import _workers
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,27 +28,26 @@ def test_ddp_parameters_stay_identical_across_ranks(tmp_path):
     assert p0.abs().sum() > 0
 
 
-def _train(tmp_path, corpus_dir, cache_dir, name, devices, batch, global_batch, **extra):
-    args = ["train"] + tiny_overrides(corpus_dir, cache_dir, **{
-        "run.name": name, "trainer.devices": devices, "trainer.batch_size": batch,
+def _train(tmp_path_factory, corpus_dir, cache_dir, devices, batch, global_batch, **extra):
+    """The session's run of this layout (with `ONE_WORKER` / `TWO_WORKERS`'s layout it is the one
+    the FSDP, HSDP and multi-node tests compare against too)."""
+    run = tiny_run(tmp_path_factory, corpus_dir, cache_dir, **{
+        "trainer.devices": devices, "trainer.batch_size": batch,
         "trainer.global_batch_size": global_batch, "trainer.eval_samples": 37, **extra})
-    r = run_cli(args, cwd=tmp_path, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    run_dir = tmp_path / "runs" / name
-    return [m["loss"] for m in read_metrics(run_dir)], read_summary(run_dir)
+    return [m["loss"] for m in read_metrics(run.dir)], read_summary(run.dir)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["packed", "padded"])
-def test_one_and_two_workers_give_the_same_run(tmp_path, corpus_dir, cache_dir, fmt):
+def test_one_and_two_workers_give_the_same_run(tmp_path_factory, corpus_dir, cache_dir, fmt):
     """The issue's equivalence bar: first 10 losses within 1e-5, with and without gradient
     accumulation. `padded` rows carry different numbers of real tokens, so it also checks the
     token-weighted mean across ranks and micro-steps."""
     extra = {"data.format": fmt}
-    one, s1 = _train(tmp_path, corpus_dir, cache_dir, f"w1-{fmt}", "cpu:1", 8, 8, **extra)
-    two, s2 = _train(tmp_path, corpus_dir, cache_dir, f"w2-{fmt}", "cpu:2", 4, 8, **extra)
-    acc, s3 = _train(tmp_path, corpus_dir, cache_dir, f"w2acc-{fmt}", "cpu:2", 2, 8, **extra)
-    acc1, _ = _train(tmp_path, corpus_dir, cache_dir, f"w1acc-{fmt}", "cpu:1", 2, 8, **extra)
+    one, s1 = _train(tmp_path_factory, corpus_dir, cache_dir, "cpu:1", 8, 8, **extra)
+    two, s2 = _train(tmp_path_factory, corpus_dir, cache_dir, "cpu:2", 4, 8, **extra)
+    acc, s3 = _train(tmp_path_factory, corpus_dir, cache_dir, "cpu:2", 2, 8, **extra)
+    acc1, _ = _train(tmp_path_factory, corpus_dir, cache_dir, "cpu:1", 2, 8, **extra)
     assert len(one) == len(two) == len(acc) == len(acc1) == 10
     assert (s1["world_size"], s2["world_size"], s3["world_size"]) == (1, 2, 2)
     assert (s2["grad_accum"], s3["grad_accum"]) == (1, 2)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from paratrain.launch.environment import free_port
-from tests.conftest import read_metrics, read_summary, run_cli
+from tests.conftest import cli_error, finish_all, read_metrics, read_summary, start_cli
 from tests.distributed._snapshot_helpers import committed_steps, samples, steps_logged
-from tests.distributed.test_multinode import finish, node_args, start
+from tests.distributed.test_multinode import node_args
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
@@ -28,7 +28,7 @@ ELASTIC = {"distributed.nnodes": "2:3", "trainer.devices": "cpu:1", "trainer.bat
 
 
 def _nodes(corpus_dir, cache_dir, cwd: Path, ranks, port):
-    return {r: start(node_args(corpus_dir, cache_dir, r, port, **ELASTIC), cwd) for r in ranks}
+    return {r: start_cli(node_args(corpus_dir, cache_dir, r, port, **ELASTIC), cwd) for r in ranks}
 
 
 def _wait(cond, procs, timeout: float, what: str):
@@ -50,7 +50,7 @@ def reference(tmp_path_factory, corpus_dir, cache_dir):
     """The uninterrupted 3-node run."""
     cwd = tmp_path_factory.mktemp("elastic-ref")
     procs = _nodes(corpus_dir, cache_dir, cwd, (0, 1, 2), free_port())
-    for rc, _, err in finish(list(procs.values()), timeout=300):
+    for rc, _, err in finish_all(list(procs.values()), timeout=300):
         assert rc == 0, err[-3000:]
     run = cwd / "runs" / "el"
     assert read_summary(run)["world_history"] == [[0, 3]]
@@ -75,7 +75,7 @@ def test_a_lost_node_leaves_and_the_others_finish(tmp_path, reference, corpus_di
           list(procs.values()), 240, "a committed snapshot")
     os.killpg(procs[2].pid, signal.SIGKILL)  # node 2's launcher and its worker
     procs[2].communicate()
-    results = finish([procs[0], procs[1]], timeout=300)
+    results = finish_all([procs[0], procs[1]], timeout=300)
     for rc, _, err in results:
         assert rc == 0, err[-3000:]
     history = read_summary(run)["world_history"]
@@ -93,8 +93,8 @@ def test_a_late_node_is_taken_in(tmp_path, reference, corpus_dir, cache_dir):
     run = tmp_path / "runs" / "el"
     # early: the new node's start-up (seconds under load) must end before the job does
     _wait(lambda: steps_logged(run) >= 2, list(procs.values()), 240, "step 2 on two nodes")
-    procs[2] = start(node_args(corpus_dir, cache_dir, 2, port, **ELASTIC), tmp_path)
-    results = finish(list(procs.values()), timeout=300)
+    procs[2] = start_cli(node_args(corpus_dir, cache_dir, 2, port, **ELASTIC), tmp_path)
+    results = finish_all(list(procs.values()), timeout=300)
     for rc, _, err in results:
         assert rc == 0, err[-3000:]
     history = read_summary(run)["world_history"]
@@ -105,18 +105,18 @@ def test_a_late_node_is_taken_in(tmp_path, reference, corpus_dir, cache_dir):
     _assert_continues_exactly(run, reference, grow)
 
 
-def test_a_global_batch_that_some_world_cannot_split(tmp_path, corpus_dir, cache_dir):
-    r = run_cli(node_args(corpus_dir, cache_dir, 0, free_port(), **{
-        **ELASTIC, "distributed.nnodes": "2:4", "trainer.global_batch_size": 16}),
-        cwd=tmp_path, timeout=60)
-    assert r.returncode == 2
-    line = r.stderr.strip().splitlines()[-1]
+def test_a_global_batch_that_some_world_cannot_split(tmp_path, monkeypatch, capsys, corpus_dir,
+                                                    cache_dir):
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(capsys, node_args(corpus_dir, cache_dir, 0, free_port(), **{
+        **ELASTIC, "distributed.nnodes": "2:4", "trainer.global_batch_size": 16}))
     assert "cannot be split evenly over 3 worker(s)" in line and "multiple of 48" in line, line
 
 
 @pytest.mark.parametrize("nnodes,words", [("3:2", "MIN (3) is larger than MAX (2)"),
                                           ("0:2", "at least 1"), ("two", "MIN:MAX")])
-def test_bad_node_ranges(tmp_path, nnodes, words):
-    r = run_cli(["train", f"distributed.nnodes={nnodes}", "distributed.master_port=29999"],
-                cwd=tmp_path, timeout=60)
-    assert r.returncode == 2 and words in r.stderr, r.stderr
+def test_bad_node_ranges(tmp_path, monkeypatch, capsys, nnodes, words):
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(capsys, ["train", f"distributed.nnodes={nnodes}",
+                              "distributed.master_port=29999"])
+    assert words in line, line

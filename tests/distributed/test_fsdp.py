@@ -10,26 +10,23 @@ from safetensors.torch import load_file
 
 from paratrain import TrainConfig, load_model
 from paratrain.parallel.memory_plan import plan_for_config
-from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
+from tests._runs import TWO_WORKERS, tiny_run
+from tests.conftest import read_metrics, read_summary
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
-def _run(tmp_path, corpus_dir, cache_dir, name, **extra):
-    over = tiny_overrides(corpus_dir, cache_dir, **{
-        "run.name": name, "trainer.devices": "cpu:2", "trainer.global_batch_size": 8,
-        "trainer.eval_samples": 32, **extra})
-    r = run_cli(["train"] + over, cwd=tmp_path, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    run_dir = tmp_path / "runs" / name
-    return read_metrics(run_dir), read_summary(run_dir), run_dir, over
+def _run(tmp_path_factory, corpus_dir, cache_dir, **extra):
+    """The session's run of 2 workers, a global batch of 8 and `extra` (strategy auto: ddp here;
+    without extra it is `TWO_WORKERS`, the run test_ddp.py and others compare against too)."""
+    run = tiny_run(tmp_path_factory, corpus_dir, cache_dir, **{**TWO_WORKERS, **extra})
+    return read_metrics(run.dir), read_summary(run.dir), run.dir, run.overrides
 
 
 @pytest.fixture(scope="module")
 def ddp_and_fsdp(tmp_path_factory, corpus_dir, cache_dir):
-    tmp = tmp_path_factory.mktemp("fsdp")
-    return {s: _run(tmp, corpus_dir, cache_dir, s, **{"trainer.strategy": s})
-            for s in ("ddp", "fsdp")}
+    return {"ddp": _run(tmp_path_factory, corpus_dir, cache_dir),
+            "fsdp": _run(tmp_path_factory, corpus_dir, cache_dir, **{"trainer.strategy": "fsdp"})}
 
 
 def test_fsdp_and_ddp_give_the_same_run(ddp_and_fsdp):
@@ -80,19 +77,20 @@ def test_plan_matches_what_the_runs_measured(ddp_and_fsdp):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_bf16_mixed_stays_close_to_fp32(tmp_path, corpus_dir, cache_dir, ddp_and_fsdp, strategy):
+def test_bf16_mixed_stays_close_to_fp32(tmp_path_factory, corpus_dir, cache_dir, ddp_and_fsdp,
+                                        strategy):
     fp32 = ddp_and_fsdp[strategy][0]
-    bf16, s, _, _ = _run(tmp_path, corpus_dir, cache_dir, f"bf16-{strategy}",
+    bf16, s, _, _ = _run(tmp_path_factory, corpus_dir, cache_dir,
                          **{"trainer.strategy": strategy, "trainer.precision": "bf16-mixed"})
     assert s["precision"] == "bf16-mixed"
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(fp32, bf16)) < 2e-2
 
 
-def test_activation_checkpointing_same_loss_less_memory(tmp_path, corpus_dir, cache_dir):
+def test_activation_checkpointing_same_loss_less_memory(tmp_path_factory, corpus_dir, cache_dir):
     """Big enough activations (seq 256, batch 8) that the difference shows in peak RSS too."""
     runs = {}
     for ac in ("false", "true"):
-        runs[ac] = _run(tmp_path, corpus_dir, cache_dir, f"ac-{ac}", **{
+        runs[ac] = _run(tmp_path_factory, corpus_dir, cache_dir, **{
             "trainer.strategy": "fsdp", "trainer.activation_checkpointing": ac,
             "model.preset": "small", "data.seq_length": 256, "trainer.batch_size": 8,
             "trainer.global_batch_size": 16, "trainer.max_steps": 2, "trainer.eval_samples": 8})
@@ -105,9 +103,9 @@ def test_activation_checkpointing_same_loss_less_memory(tmp_path, corpus_dir, ca
         assert r1["peak_bytes"] < r0["peak_bytes"]
 
 
-def test_cpu_offload_trains_the_same(tmp_path, corpus_dir, cache_dir, ddp_and_fsdp):
+def test_cpu_offload_trains_the_same(tmp_path_factory, corpus_dir, cache_dir, ddp_and_fsdp):
     fsdp = ddp_and_fsdp["fsdp"][0]
-    off, s, _, _ = _run(tmp_path, corpus_dir, cache_dir, "offload",
+    off, s, _, _ = _run(tmp_path_factory, corpus_dir, cache_dir,
                         **{"trainer.strategy": "fsdp", "trainer.cpu_offload": "true"})
     assert s["cpu_offload"] is True
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(fsdp, off)) < 1e-5

@@ -10,20 +10,29 @@ from __future__ import annotations
 import pytest
 
 from paratrain.launch.environment import free_port
-from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
+from tests._runs import ONE_WORKER, tiny_run
+from tests.conftest import (
+    cli_error,
+    finish_all,
+    read_metrics,
+    read_summary,
+    run_cli,
+    start_cli,
+    tiny_overrides,
+)
 from tests.distributed._snapshot_helpers import interrupted_copy
-from tests.distributed.test_multinode import finish as finish_nodes
-from tests.distributed.test_multinode import one_error_line, start
 
 pytestmark = pytest.mark.timeout(300)
 
 GLOBAL_BATCH = 8  # = 2 x 4 workers = 4 x 2 = 8 x 1: the same run on every world size
+EVAL_SAMPLES = ONE_WORKER["trainer.eval_samples"]  # 37: uneven over 4 ranks, counted once
 
 
 def _args(corpus_dir, cache_dir, name, per_device, **extra) -> list[str]:
     return ["train"] + tiny_overrides(corpus_dir, cache_dir, **{
         "run.name": name, "trainer.batch_size": per_device,
-        "trainer.global_batch_size": GLOBAL_BATCH, "trainer.eval_samples": 32, **extra})
+        "trainer.global_batch_size": GLOBAL_BATCH, "trainer.eval_samples": EVAL_SAMPLES,
+        **extra})
 
 
 def _train(cwd, args, timeout=240):
@@ -58,15 +67,14 @@ def _assert_half(summary: dict, ref: dict) -> None:
 
 
 @pytest.mark.slow  # 4 processes: 25-60 s; the quick subset stays under 3 minutes
-def test_hsdp_two_shard_groups_on_one_node(tmp_path, corpus_dir, cache_dir):
+def test_hsdp_two_shard_groups_on_one_node(tmp_path, tmp_path_factory, corpus_dir, cache_dir):
     """cpu:4 with shard groups of 2: a 2 x 2 mesh in one command. Same losses as one process
-    with the same global batch, half the state per rank."""
+    with the same global batch (the session's one-process run), half the state per rank."""
     hsdp = _train(tmp_path, _args(corpus_dir, cache_dir, "hsdp", 2, **{
         "trainer.devices": "cpu:4", "trainer.strategy": "hsdp", "trainer.shard_group_size": 2}))
     assert "strategy hsdp (asked for: 2 replicas x shard groups of 2)" in hsdp.stderr
-    _train(tmp_path, _args(corpus_dir, cache_dir, "one", GLOBAL_BATCH,
-                           **{"trainer.devices": "cpu:1"}))
-    run, ref = tmp_path / "runs" / "hsdp", tmp_path / "runs" / "one"
+    run = tmp_path / "runs" / "hsdp"
+    ref = tiny_run(tmp_path_factory, corpus_dir, cache_dir, **ONE_WORKER).dir
     s = read_summary(run)
     assert (s["strategy"], s["world_size"]) == ("hsdp", 4)
     assert _max_diff(run, ref) < 1e-5
@@ -74,12 +82,11 @@ def test_hsdp_two_shard_groups_on_one_node(tmp_path, corpus_dir, cache_dir):
     _assert_half(s, read_summary(ref))
 
 
-def test_shard_group_size_not_dividing_the_world_is_one_line(tmp_path, corpus_dir, cache_dir):
-    r = run_cli(_args(corpus_dir, cache_dir, "bad", 2, **{
-        "trainer.devices": "cpu:4", "trainer.strategy": "hsdp",
-        "trainer.shard_group_size": 3}), cwd=tmp_path, timeout=120)
-    assert r.returncode == 2, r.stderr[-3000:]
-    line = one_error_line(r.stderr)
+def test_shard_group_size_not_dividing_the_world_is_one_line(tmp_path, monkeypatch, capsys,
+                                                             corpus_dir, cache_dir):
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(capsys, _args(corpus_dir, cache_dir, "bad", 2, **{
+        "trainer.devices": "cpu:4", "trainer.strategy": "hsdp", "trainer.shard_group_size": 3}))
     assert "trainer.shard_group_size=3 must divide the world size (4 processes)" in line
     assert not (tmp_path / "runs" / "bad" / "metrics.jsonl").exists()
 
@@ -92,19 +99,20 @@ def two_nodes(tmp_path_factory, corpus_dir, cache_dir):
     bucket."""
     tmp = tmp_path_factory.mktemp("hsdp")
     port = free_port()
-    procs = [start(_args(corpus_dir, cache_dir, "hsdp", 2, **{
+    procs = [start_cli(_args(corpus_dir, cache_dir, "hsdp", 2, **{
         "trainer.devices": "cpu:2", "trainer.strategy": "hsdp", "checkpoint.every_steps": 5,
         "checkpoint.dir": tmp / "node0" / "runs" / "hsdp" / "checkpoints",
         "distributed.nnodes": 2, "distributed.node_rank": rank,
         "distributed.master_addr": "127.0.0.1", "distributed.master_port": port,
         "distributed.timeout_s": 60}), tmp / f"node{rank}") for rank in (0, 1)]
-    results = finish_nodes(procs, timeout=240)
+    results = finish_all(procs, timeout=240)
     for rc, _, err in results:
         assert rc == 0, err[-3000:]
-    _train(tmp / "ddp", _args(corpus_dir, cache_dir, "ddp", 2, **{
-        "trainer.devices": "cpu:4", "trainer.strategy": "ddp"}))
-    return {"hsdp": tmp / "node0" / "runs" / "hsdp", "ddp": tmp / "ddp" / "runs" / "ddp",
-            "log": results[0][2], "tmp": tmp}
+    ddp = tiny_run(tmp_path_factory, corpus_dir, cache_dir, **{
+        "trainer.devices": "cpu:4", "trainer.strategy": "ddp", "trainer.batch_size": 2,
+        "trainer.global_batch_size": GLOBAL_BATCH, "trainer.eval_samples": EVAL_SAMPLES})
+    return {"hsdp": tmp / "node0" / "runs" / "hsdp", "ddp": ddp.dir, "log": results[0][2],
+            "tmp": tmp}
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -16,42 +15,22 @@ from pathlib import Path
 import pytest
 
 from paratrain.launch.environment import free_port
-from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
+from tests._runs import TWO_WORKERS, tiny_run
+from tests.conftest import (
+    cli_error,
+    finish_all,
+    one_error_line,
+    read_metrics,
+    read_summary,
+    run_cli,
+    start_cli,
+    tiny_overrides,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
-
-def start(args: list[str], cwd: Path, env: dict | None = None,
-          prefix: list[str] | None = None) -> subprocess.Popen:
-    """`python -m paratrain ARGS` in its own process group (killed whole on timeout)."""
-    full = {k: v for k, v in os.environ.items()
-            if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC",
-                                 "GROUP_RANK", "LOCAL_WORLD_SIZE", "SLURM_"))}
-    full.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, **(env or {}))
-    cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen((prefix or []) + [sys.executable, "-m", "paratrain"] + args, cwd=cwd,
-                            env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    """Wait for all; on timeout kill every process group and fail with what they printed."""
-    deadline = time.monotonic() + timeout
-    out = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            out.append((p.returncode, o, e))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        logs = "\n".join(f"--- node {i}\n{p.communicate()[1][-2000:]}"
-                         for i, p in enumerate(procs))
-        pytest.fail(f"nodes did not finish in {timeout} s\n{logs}")
-    return out
+# the names other test files import from here; the runner itself lives in conftest
+start, finish = start_cli, finish_all
 
 
 def node_args(corpus_dir, cache_dir, node_rank, port, nnodes=2, **extra) -> list[str]:
@@ -62,21 +41,17 @@ def node_args(corpus_dir, cache_dir, node_rank, port, nnodes=2, **extra) -> list
         "distributed.timeout_s": 30, **extra})
 
 
-def one_error_line(err: str) -> str:
-    lines = [x for x in err.strip().splitlines() if x.startswith("paratrain: error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
-    return lines[0]
-
-
 @pytest.mark.slow
-def test_two_nodes_match_one_node_with_two_workers(tmp_path, corpus_dir):
+def test_two_nodes_match_one_node_with_two_workers(tmp_path, tmp_path_factory, corpus_dir,
+                                                   cache_dir):
     """The seed's recipe: the same command on two nodes (node_rank 0 and 1, one CPU worker
     each) is the job that one node with two workers runs: same losses, same validation loss;
     only node 0 writes; a shared data cache is built once (node 1 reuses node 0's)."""
     cache = tmp_path / "fresh-cache"  # shared by both nodes, empty at the start
     port = free_port()
-    procs = [start(node_args(corpus_dir, cache, r, port), tmp_path / f"node{r}") for r in (0, 1)]
-    (rc0, out0, err0), (rc1, out1, err1) = finish(procs, timeout=150)
+    procs = [start_cli(node_args(corpus_dir, cache, r, port), tmp_path / f"node{r}")
+             for r in (0, 1)]
+    (rc0, out0, err0), (rc1, out1, err1) = finish_all(procs, timeout=150)
     assert rc0 == 0, err0[-3000:]
     assert rc1 == 0, err1[-3000:]
     assert "final loss" in out0 and out1.strip() == ""  # the master node reports; node 1 exits 0
@@ -86,12 +61,9 @@ def test_two_nodes_match_one_node_with_two_workers(tmp_path, corpus_dir):
     s2 = read_summary(run0)
     assert (s2["world_size"], s2["nnodes"]) == (2, 2)
 
-    (tmp_path / "single").mkdir()
-    r = run_cli(node_args(corpus_dir, cache, 0, 0, nnodes=1, **{"trainer.devices": "cpu:2",
-                                                              "run.name": "one"}),
-                cwd=tmp_path / "single", timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    run1 = tmp_path / "single" / "runs" / "one"
+    # one node, 2 workers, the same global batch (8) and validation windows (37): the session's
+    # run of that job (test_ddp.py's too)
+    run1 = tiny_run(tmp_path_factory, corpus_dir, cache_dir, **TWO_WORKERS).dir
     one, two = [m["loss"] for m in read_metrics(run1)], [m["loss"] for m in read_metrics(run0)]
     assert len(one) == len(two) == 10
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-6, (one, two)
@@ -114,9 +86,9 @@ def test_two_nodes_on_one_host_run_as_fast_as_one_node(tmp_path, corpus_dir, cac
     for attempt in range(2):  # a second try only if a busy machine spoiled the first
         port = free_port()
         cwd = tmp_path / f"try{attempt}"
-        procs = [start(node_args(corpus_dir, cache_dir, r, port, **extra), cwd / f"node{r}")
+        procs = [start_cli(node_args(corpus_dir, cache_dir, r, port, **extra), cwd / f"node{r}")
                  for r in (0, 1)]
-        for rc, _, err in finish(procs, timeout=150):
+        for rc, _, err in finish_all(procs, timeout=150):
             assert rc == 0, err[-3000:]
         (cwd / "single").mkdir()
         r = run_cli(node_args(corpus_dir, cache_dir, 0, 0, nnodes=1, **{
@@ -147,8 +119,8 @@ def test_slurm_variables_are_enough(tmp_path, corpus_dir, cache_dir):
                "SLURM_NNODES": "2", "SLURM_NODEID": str(rank), "SLURM_NTASKS_PER_NODE": "1",
                "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
                "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(start(base, tmp_path / f"task{rank}", env=env))
-    (rc0, out0, err0), (rc1, out1, err1) = finish(procs, timeout=120)
+        procs.append(start_cli(base, tmp_path / f"task{rank}", env=env))
+    (rc0, out0, err0), (rc1, out1, err1) = finish_all(procs, timeout=120)
     assert rc0 == 0 and rc1 == 0, (err0[-2000:], err1[-2000:])
     assert read_summary(tmp_path / "task0" / "runs" / "slurm")["world_size"] == 2
     assert not (tmp_path / "task1" / "runs").exists()
@@ -196,9 +168,9 @@ def test_two_nodes_on_two_addresses(tmp_path, corpus_dir, cache_dir, two_hosts):
     for r, (ns, ifname) in enumerate(((ns0, if0), (ns1, if1))):
         args = node_args(corpus_dir, cache_dir, r, port, **{"distributed.master_addr": addr0,
                                                             "trainer.max_steps": 5})
-        procs.append(start(args, tmp_path / f"host{r}", env={"GLOO_SOCKET_IFNAME": ifname},
+        procs.append(start_cli(args, tmp_path / f"host{r}", env={"GLOO_SOCKET_IFNAME": ifname},
                            prefix=["ip", "netns", "exec", ns]))
-    (rc0, out0, err0), (rc1, _, err1) = finish(procs, timeout=150)
+    (rc0, out0, err0), (rc1, _, err1) = finish_all(procs, timeout=150)
     assert rc0 == 0 and rc1 == 0, (err0[-2000:], err1[-2000:])
     s = read_summary(tmp_path / "host0" / "runs" / "mn")
     assert (s["world_size"], s["nnodes"], s["steps"]) == (2, 2, 5)
@@ -208,9 +180,9 @@ def test_two_nodes_on_two_addresses(tmp_path, corpus_dir, cache_dir, two_hosts):
 # ---- nodes that cannot form one job -------------------------------------------------------------
 def test_nodes_that_disagree_on_nnodes(tmp_path, corpus_dir, cache_dir):
     port = free_port()
-    procs = [start(node_args(corpus_dir, cache_dir, 0, port, nnodes=2), tmp_path / "a"),
-             start(node_args(corpus_dir, cache_dir, 1, port, nnodes=3), tmp_path / "b")]
-    for rc, _, err in finish(procs, timeout=60):
+    procs = [start_cli(node_args(corpus_dir, cache_dir, 0, port, nnodes=2), tmp_path / "a"),
+             start_cli(node_args(corpus_dir, cache_dir, 1, port, nnodes=3), tmp_path / "b")]
+    for rc, _, err in finish_all(procs, timeout=60):
         assert rc == 2
         assert "distributed.nnodes=" in one_error_line(err) and "disagree" in err
 
@@ -218,39 +190,39 @@ def test_nodes_that_disagree_on_nnodes(tmp_path, corpus_dir, cache_dir):
 @pytest.mark.slow
 def test_two_nodes_with_the_same_node_rank(tmp_path, corpus_dir, cache_dir):
     port = free_port()
-    procs = [start(node_args(corpus_dir, cache_dir, 0, port, nnodes=3), tmp_path / "a")]
+    procs = [start_cli(node_args(corpus_dir, cache_dir, 0, port, nnodes=3), tmp_path / "a")]
     time.sleep(1.0)  # node 0 hosts the store; the two node-1s then race for the seat
-    procs += [start(node_args(corpus_dir, cache_dir, 1, port, nnodes=3), tmp_path / x)
+    procs += [start_cli(node_args(corpus_dir, cache_dir, 1, port, nnodes=3), tmp_path / x)
               for x in ("b", "c")]
-    results = finish(procs, timeout=60)
+    results = finish_all(procs, timeout=60)
     for rc, _, err in results:
         assert rc == 2
         assert "distributed.node_rank=1 is used by two nodes" in one_error_line(err)
 
 
 @pytest.mark.slow
-def test_a_node_that_never_comes(tmp_path, corpus_dir, cache_dir):
+def test_a_node_that_never_comes(tmp_path, monkeypatch, capsys, corpus_dir, cache_dir):
     """Node 0 alone, and node 1 alone: both give up after distributed.timeout_s and say how many
-    nodes joined."""
+    nodes joined. (In this process: the exit code of the entry point is test_errors.py's.)"""
+    monkeypatch.chdir(tmp_path)
     t0 = time.monotonic()
-    r = run_cli(node_args(corpus_dir, cache_dir, 0, free_port(), **{"distributed.timeout_s": 5}),
-                cwd=tmp_path, timeout=60)
-    assert r.returncode == 2 and "1 of 2 nodes joined" in one_error_line(r.stderr)
-    assert "missing node_rank 1" in r.stderr
-    r = run_cli(node_args(corpus_dir, cache_dir, 1, free_port(), **{"distributed.timeout_s": 5}),
-                cwd=tmp_path, timeout=60)
-    assert r.returncode == 2 and "could not reach node 0" in one_error_line(r.stderr)
+    line = cli_error(capsys, node_args(corpus_dir, cache_dir, 0, free_port(),
+                                       **{"distributed.timeout_s": 5}))
+    assert "1 of 2 nodes joined" in line and "missing node_rank 1" in line
+    line = cli_error(capsys, node_args(corpus_dir, cache_dir, 1, free_port(),
+                                       **{"distributed.timeout_s": 5}))
+    assert "could not reach node 0" in line
     assert time.monotonic() - t0 < 50
 
 
-def test_master_port_in_use(tmp_path, corpus_dir, cache_dir):
+def test_master_port_in_use(tmp_path, monkeypatch, capsys, corpus_dir, cache_dir):
+    monkeypatch.chdir(tmp_path)
     with socket.socket() as s:
         s.bind(("", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = run_cli(node_args(corpus_dir, cache_dir, 0, port), cwd=tmp_path, timeout=60)
-    assert r.returncode == 2
-    assert f"distributed.master_port={port} is already in use" in one_error_line(r.stderr)
+        line = cli_error(capsys, node_args(corpus_dir, cache_dir, 0, port))
+    assert f"distributed.master_port={port} is already in use" in line
 
 
 @pytest.mark.slow
@@ -265,7 +237,7 @@ def test_hsdp_across_two_addresses_stops_on_sigterm_and_resumes(tmp_path, corpus
 
     def nodes():
         port = free_port()
-        return [start(node_args(corpus_dir, cache_dir, r, port, **{
+        return [start_cli(node_args(corpus_dir, cache_dir, r, port, **{
             "distributed.master_addr": addr0, "trainer.devices": "cpu:2",
             "trainer.strategy": "hsdp", "trainer.max_steps": 60, "checkpoint.dir": shared}),
             tmp_path / f"host{r}", env={"GLOO_SOCKET_IFNAME": ifname},
@@ -280,14 +252,14 @@ def test_hsdp_across_two_addresses_stops_on_sigterm_and_resumes(tmp_path, corpus
             [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
         time.sleep(0.1)
     os.kill(procs[1].pid, signal.SIGTERM)
-    results = finish(procs, timeout=120)
+    results = finish_all(procs, timeout=120)
     assert [rc for rc, _, _ in results] == [143, 143], [e[-2000:] for _, _, e in results]
     steps = sorted(int(p.name[5:]) for p in shared.glob("step-*")
                    if (p / "committed.json").is_file())
     assert len(steps) == 1 and steps[0] >= 10, steps
     assert f"SIGTERM received: stopping after step {steps[0]}" in results[0][2]
 
-    results = finish(nodes(), timeout=300)
+    results = finish_all(nodes(), timeout=300)
     assert [rc for rc, _, _ in results] == [0, 0], [e[-2000:] for _, _, e in results]
     s = read_summary(tmp_path / "host0" / "runs" / "mn")
     assert (s["strategy"], s["world_size"], s["steps"]) == ("hsdp", 4, 60)

@@ -15,15 +15,13 @@ import time
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import cli_error, finish, run_cli, start_cli
 from tests.distributed._snapshot_helpers import (
     args_for,
     assert_bit_identical,
     committed_steps,
-    finish,
     kill_job,
     reference_run,
-    start_cli,
     steps_logged,
     wait_for,
     worker_pids,
@@ -39,8 +37,9 @@ def _ref(tmp_path_factory, corpus_dir, cache_dir, **extra):
 
 
 @pytest.mark.parametrize("strategy,seed", [("auto", 11), ("fsdp", 12)])  # auto: ddp here
-def test_kill_campaign_the_same_command_always_completes(tmp_path, tmp_path_factory, corpus_dir,
-                                                         cache_dir, strategy, seed):
+def test_kill_campaign_the_same_command_always_completes(tmp_path, tmp_path_factory, monkeypatch,
+                                                         capsys, corpus_dir, cache_dir, strategy,
+                                                         seed):
     """SIGKILL of the whole job: before the first snapshot (the same command then starts over
     from step 0, saying so), at a random moment after the job started (possibly mid-snapshot),
     and after a committed snapshot; then the same command runs to the end."""
@@ -86,8 +85,8 @@ def test_kill_campaign_the_same_command_always_completes(tmp_path, tmp_path_fact
         pytest.skip("the job finished between two kills (a very fast machine)")
     assert r.returncode == 0, r.stderr[-3000:]
     assert_bit_identical(run_dir, ref)  # metrics and sample logs begun anew, not doubled
-    again = run_cli(args, cwd=tmp_path, timeout=60)  # a finished run is still never overwritten
-    assert again.returncode == 2 and "already holds a finished run" in again.stderr
+    monkeypatch.chdir(tmp_path)  # a finished run is still never overwritten (in this process)
+    assert "already holds a finished run" in cli_error(capsys, args)
 
 
 def _stop_and_resume(tmp_path, ref, args, run_dir, send, expect_rc, min_step):
@@ -176,12 +175,12 @@ def test_requeue_under_slurm(tmp_path, corpus_dir, cache_dir):
     assert committed_steps(run_dir / "checkpoints")
 
 
-def test_requeue_outside_slurm_is_refused(tmp_path, corpus_dir, cache_dir):
-    r = run_cli(args_for(corpus_dir, cache_dir, "x", **{"distributed.requeue": "true"}),
-                cwd=tmp_path, timeout=60)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1].startswith(
-        "paratrain: error: distributed.requeue=true requeues a Slurm job"), r.stderr
+def test_requeue_outside_slurm_is_refused(tmp_path, monkeypatch, capsys, corpus_dir, cache_dir):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    line = cli_error(capsys, args_for(corpus_dir, cache_dir, "x",
+                                      **{"distributed.requeue": "true"}))
+    assert line.startswith("paratrain: error: distributed.requeue=true requeues a Slurm job")
 
 
 def test_sigterm_to_a_one_process_run(tmp_path, tmp_path_factory, corpus_dir, cache_dir):

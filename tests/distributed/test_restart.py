@@ -9,14 +9,12 @@ import signal
 
 import pytest
 
-from tests.conftest import read_summary
+from tests.conftest import finish, read_summary, start_cli
 from tests.distributed._snapshot_helpers import (
     args_for,
     assert_bit_identical,
     committed_steps,
-    finish,
     reference_run,
-    start_cli,
     steps_logged,
     wait_for,
     worker_pids,

@@ -13,7 +13,7 @@ import pytest
 
 from paratrain.checkpoint import inspection
 from paratrain.checkpoint import store as snapshot
-from tests.conftest import read_metrics, read_summary, run_cli
+from tests.conftest import read_metrics, read_summary, run_cli, start_cli
 from tests.distributed._s3 import SECRET
 from tests.distributed._snapshot_helpers import (
     args_for,
@@ -23,7 +23,6 @@ from tests.distributed._snapshot_helpers import (
     kill_job,
     reference_run,
     samples,
-    start_cli,
     steps_logged,
     wait_for,
 )

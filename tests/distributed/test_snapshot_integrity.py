@@ -26,7 +26,7 @@ import pytest
 
 from paratrain.checkpoint import store as snapshot
 from paratrain.launch.environment import free_port
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import finish_all, read_metrics, run_cli, start_cli
 from tests.distributed._s3 import FlakyProxy
 from tests.distributed._snapshot_helpers import (
     args_for,
@@ -35,7 +35,7 @@ from tests.distributed._snapshot_helpers import (
     interrupted_copy,
     reference_run,
 )
-from tests.distributed.test_multinode import finish, node_args, start
+from tests.distributed.test_multinode import node_args
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -200,9 +200,9 @@ def test_a_node_local_checkpoint_dir_is_refused_at_the_first_commit(tmp_path, co
     local to each, so rank 0 cannot see rank 1's shard and commits nothing."""
     port = free_port()
     extra = {"checkpoint.every_steps": 2, "checkpoint.max_failed_saves": 1}
-    procs = [start(node_args(corpus_dir, cache_dir, r, port, **extra), tmp_path / f"node{r}")
+    procs = [start_cli(node_args(corpus_dir, cache_dir, r, port, **extra), tmp_path / f"node{r}")
              for r in (0, 1)]
-    (rc0, _, err0), (rc1, _, _) = finish(procs, timeout=150)
+    (rc0, _, err0), (rc1, _, _) = finish_all(procs, timeout=150)
     assert (rc0, rc1) != (0, 0), err0[-3000:]
     last = err0.strip().splitlines()[-1]
     assert last.startswith("paratrain: error: 1 snapshot(s) in a row could not be written"), last

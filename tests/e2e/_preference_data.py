@@ -5,11 +5,11 @@ responses share a property the rejected ones lack (they mention KEYWORD)."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
-from tests.conftest import make_hf_tokenizer
+from tests.conftest import make_hf_llama, make_hf_tokenizer
+from tests.e2e._tiny_model import write_jsonl  # noqa: F401 (one home; imported from here too)
 
 WORDS = ("the a red blue green small big cat dog bird runs sits sees eats near under over "
          "house tree river stone quick slow old new").split()
@@ -33,28 +33,14 @@ def preference_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def _texts() -> list[str]:
     return [r["prompt"] + r["chosen"] + r["rejected"] for r in preference_rows(300, 99)]
 
 
 def make_tiny_llama(out: Path, seed: int = 0) -> Path:
     """A LlamaForCausalLM folder (hidden 32, 2 layers, fp32 safetensors) with its tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    make_hf_tokenizer(out, _texts(), vocab_size=320)
-    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    return out
+    return make_hf_llama(out, _texts(), vocab_size=320, hidden_size=32, max_positions=128,
+                         seed=seed)
 
 
 def make_tiny_t5(out: Path, seed: int = 0) -> Path:

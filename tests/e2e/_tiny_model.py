@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import make_hf_tokenizer
+from tests.conftest import make_hf_llama
 
 
 def make_pairs(n: int, seed: int = 0) -> list[dict]:
@@ -27,17 +27,5 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 def make_tiny_llama(out: Path, texts: list[str], max_positions: int = 256, seed: int = 0,
                     chat_template: str | None = None) -> Path:
     """A LlamaForCausalLM folder (hidden 64, 2 layers, fp32 safetensors) with its tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    make_hf_tokenizer(out, texts, vocab_size=400)
-    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    if chat_template is not None:
-        tok.chat_template = chat_template
-        tok.save_pretrained(out)
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_positions, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    return out
+    return make_hf_llama(out, texts, vocab_size=400, max_positions=max_positions, seed=seed,
+                         chat_template=chat_template)

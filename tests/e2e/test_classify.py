@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import read_metrics, read_summary, run_cli
+from tests.conftest import make_hf_llama, read_metrics, read_summary, run_cli
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(600)]
@@ -48,23 +48,8 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 def base_model(tmp_path_factory) -> Path:
     """A tiny 'pretrained' causal Llama (random weights, saved with save_pretrained) and a
     byte-level BPE tokenizer trained on the sentences, without a pad token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    out = tmp_path_factory.mktemp("classify-model")
-    hf = Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator([r["text"] for r in sentences(256, 0)], trainer=trainers.BpeTrainer(
-        vocab_size=300, show_progress=False, special_tokens=["[EOT]"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=hf, eos_token="[EOT]")
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    return out
+    return make_hf_llama(tmp_path_factory.mktemp("classify-model"),
+                         [r["text"] for r in sentences(256, 0)], vocab_size=300, bos=False)
 
 
 def _args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:

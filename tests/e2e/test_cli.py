@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from tests._runs import Run, tiny_run
 from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,20 +22,16 @@ MEMORY_KEYS = {"rank", "device", "params_bytes", "grads_bytes", "optimizer_bytes
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory, corpus_dir, cache_dir):
-    """One 2-worker run shared by the tests that only look at what it left."""
-    cwd = tmp_path_factory.mktemp("e2e")
-    args = ["train"] + tiny_overrides(corpus_dir, cache_dir, **{
-        "run.name": "e2e", "trainer.devices": "cpu:2", "trainer.max_steps": 30,
-        "trainer.log_every": 5, "trainer.eval_every": 10, "trainer.eval_samples": 64,
-        "trainer.progress_bar": True, "optim.lr": 3e-3})
-    r = run_cli(args, cwd=cwd, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return cwd, cwd / "runs" / "e2e", r
+def trained_run(tmp_path_factory, corpus_dir, cache_dir) -> Run:
+    """One 2-worker run (the session's) shared by the tests that only look at what it left."""
+    return tiny_run(tmp_path_factory, corpus_dir, cache_dir, **{
+        "trainer.devices": "cpu:2", "trainer.max_steps": 30, "trainer.log_every": 5,
+        "trainer.eval_every": 10, "trainer.eval_samples": 64, "trainer.progress_bar": True,
+        "optim.lr": 3e-3})
 
 
 def test_run_dir_holds_what_design_lists(trained_run, corpus_dir):
-    cwd, run_dir, r = trained_run
+    run_dir, r = trained_run.dir, trained_run
     names = {p.name for p in run_dir.iterdir()}
     assert {"config.yaml", "metrics.jsonl", "model", "summary.json"} <= names
     # and nothing else but the run records of the optional loggers
@@ -80,7 +77,7 @@ def test_saved_model_reproduces_validation_loss(trained_run, cache_dir):
     validation loss."""
     from paratrain import TrainConfig, load_model
     from paratrain.data import EvalSampler, build_dataset, collate, prepare_data
-    cwd, run_dir, _ = trained_run
+    run_dir = trained_run.dir
     cfg = TrainConfig.from_yaml(run_dir / "config.yaml")
     model, tok = load_model(run_dir)
     prepared = prepare_data(cfg.data, cfg.cache_dir, log=lambda m: None)
@@ -95,7 +92,7 @@ def test_saved_model_reproduces_validation_loss(trained_run, cache_dir):
 
 
 def test_generate_prints_a_continuation(trained_run):
-    cwd, run_dir, _ = trained_run
+    cwd, run_dir = trained_run.cwd, trained_run.dir
     r = run_cli(["generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "30"],
                 cwd=cwd, timeout=60)
     assert r.returncode == 0, r.stderr

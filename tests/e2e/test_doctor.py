@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from paratrain.launch.environment import free_port
-from tests.conftest import run_cli
-from tests.distributed.test_multinode import finish, start
+from tests.conftest import finish_all, run_cli, start_cli
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -29,10 +28,10 @@ def test_doctor_gloo_two_workers(tmp_path):
 
 def test_doctor_across_two_nodes(tmp_path):
     port = free_port()
-    procs = [start(["doctor", "--devices", "cpu:1", "--nnodes", "2", "--node-rank", str(r),
-                    "--master-port", str(port), "--max-mb", "1"], tmp_path / f"n{r}")
+    procs = [start_cli(["doctor", "--devices", "cpu:1", "--nnodes", "2", "--node-rank", str(r),
+                        "--master-port", str(port), "--max-mb", "1"], tmp_path / f"n{r}")
              for r in (0, 1)]
-    for rc, out, err in finish(procs, timeout=120):
+    for rc, out, err in finish_all(procs, timeout=120):
         assert rc == 0, err[-3000:]
         assert "all-reduce: 2 rank(s), gloo" in out and BUSBW.search(out), out
 

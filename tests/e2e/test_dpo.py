@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, read_metrics, read_summary, run_cli
+from tests.conftest import REPO, finish, read_metrics, read_summary, run_cli, start_cli
 from tests.e2e._preference_data import make_tiny_llama, preference_rows, write_jsonl
 
 pytest.importorskip("transformers")
@@ -170,9 +170,7 @@ def test_lora_dpo_fsdp_killed_and_rerun_ends_bit_identical(tmp_path, llama, data
     from tests.distributed._snapshot_helpers import (
         assert_bit_identical,
         committed_steps,
-        finish,
         kill_job,
-        start_cli,
         wait_for,
     )
     train, val = data

@@ -5,21 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain import cli
-from tests.conftest import run_cli, tiny_overrides
+from tests.conftest import cli_error, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _fail(capsys, argv) -> str:
-    code = cli.main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err, err
-    errors = [line for line in err.strip().splitlines() if not line.startswith("[paratrain] ")]
-    assert len(errors) == 1, err  # progress lines may come first; the error is one line
-    assert errors[0].startswith("paratrain: error: ")
-    return errors[0]
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -43,7 +31,7 @@ def _fail(capsys, argv) -> str:
 ])
 def test_config_errors(tmp_path, monkeypatch, capsys, corpus_dir, cache_dir, overrides, words):
     monkeypatch.chdir(tmp_path)
-    line = _fail(capsys, ["train"] + tiny_overrides(corpus_dir, cache_dir) + overrides)
+    line = cli_error(capsys, ["train"] + tiny_overrides(corpus_dir, cache_dir) + overrides)
     for w in words:
         assert w in line
     assert not (tmp_path / "runs").exists()  # nothing started, nothing written
@@ -52,21 +40,21 @@ def test_config_errors(tmp_path, monkeypatch, capsys, corpus_dir, cache_dir, ove
 def test_missing_and_empty_sources(tmp_path, monkeypatch, capsys, cache_dir):
     monkeypatch.chdir(tmp_path)
     base = ["train", "model.preset=tiny", f"data.cache_dir={cache_dir}", "trainer.devices=cpu:2"]
-    line = _fail(capsys, base + [f"data.source={tmp_path}/nope"])
+    line = cli_error(capsys, base + [f"data.source={tmp_path}/nope"])
     assert "data.source=" in line and "does not exist" in line
     (tmp_path / "empty").mkdir()
-    line = _fail(capsys, base + [f"data.source={tmp_path}/empty"])
+    line = cli_error(capsys, base + [f"data.source={tmp_path}/empty"])
     assert "data.source=" in line
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "a.txt").write_text("")
-    line = _fail(capsys, base + [f"data.source={tmp_path}/blank"])
+    line = cli_error(capsys, base + [f"data.source={tmp_path}/blank"])
     assert "holds no text" in line
 
 
 def test_corpus_too_small_for_one_batch(tmp_path, monkeypatch, capsys, cache_dir):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "small.txt").write_text("def f(x):\n    return x + 1\n" * 20)
-    line = _fail(capsys, ["train", "model.preset=tiny", f"data.cache_dir={cache_dir}",
+    line = cli_error(capsys, ["train", "model.preset=tiny", f"data.cache_dir={cache_dir}",
                           f"data.source={tmp_path}/small.txt", "data.vocab_size=300",
                           "trainer.devices=cpu:2", "data.seq_length=256"])
     assert "fewer than one global batch" in line and "data.seq_length" in line
@@ -79,7 +67,7 @@ def test_run_dir_holding_a_run_is_not_overwritten(tmp_path, monkeypatch, capsys,
     run = tmp_path / "runs" / "taken"
     run.mkdir(parents=True)
     (run / "summary.json").write_text('{"final_loss": 1.0}')
-    line = _fail(capsys, ["train", "run.name=taken"] + tiny_overrides(corpus_dir, cache_dir))
+    line = cli_error(capsys, ["train", "run.name=taken"] + tiny_overrides(corpus_dir, cache_dir))
     # the three ways on: a new run, replacing it, or (an unfinished run) continuing it
     for words in ("already holds a finished run", "another run.name", "run_name=",
                   "run.overwrite=true", "overwrite=True", "checkpoint.every_steps=N"):
@@ -89,7 +77,7 @@ def test_run_dir_holding_a_run_is_not_overwritten(tmp_path, monkeypatch, capsys,
 
 
 def test_generate_without_a_model(tmp_path, capsys):
-    line = _fail(capsys, ["generate", str(tmp_path)])
+    line = cli_error(capsys, ["generate", str(tmp_path)])
     assert "holds no trained model" in line
 
 

@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, read_metrics, read_summary, run_cli, tiny_overrides
+from tests._runs import Run, tiny_run, trained_run
+from tests.conftest import (
+    REPO,
+    cli_error,
+    finish,
+    read_metrics,
+    read_summary,
+    run_cli,
+    start_cli,
+)
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -21,16 +30,14 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory, corpus_dir, cache_dir) -> Path:
-    """A tiny Llama pretrained here (40 steps), exported as a LlamaForCausalLM folder."""
-    tmp = tmp_path_factory.mktemp("pretrained")
-    r = run_cli(["train"] + tiny_overrides(corpus_dir, cache_dir, **{
+    """A tiny Llama pretrained here (40 steps, the session's run), exported as a
+    LlamaForCausalLM folder (what `paratrain checkpoint export --format hf` writes; that command
+    itself is run in test_pretrained_tokenizer.py)."""
+    from paratrain.checkpoint.hf_export import export_hf
+    run = tiny_run(tmp_path_factory, corpus_dir, cache_dir, **{
         "data.seq_length": 64, "trainer.max_steps": 40, "trainer.devices": "cpu:2",
-        "run.dir": str(tmp / "run"), "trainer.log_every": 10}), cwd=tmp)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli(["checkpoint", "export", str(tmp / "run"), str(tmp / "hf"), "--format", "hf"],
-                cwd=tmp)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return tmp / "hf"
+        "trainer.log_every": 10})
+    return export_hf(run.dir, tmp_path_factory.mktemp("pretrained") / "hf")
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +50,29 @@ def pairs(tmp_path_factory) -> tuple[Path, Path]:
     return tmp / "train.jsonl", tmp / "val.jsonl"
 
 
-def _finetune_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:
-    base = {"model.arch": "hf", "model.path": str(model), "data.format": "pairs",
+def _settings(model: Path, train: Path, val: Path, **extra) -> dict:
+    """Fine-tuning `model` on the pairs with 2 workers (the overrides, without run.dir)."""
+    return {"model.arch": "hf", "model.path": str(model), "data.format": "pairs",
             "data.source": str(train), "data.val_source": str(val), "data.max_length": 64,
             "trainer.devices": "cpu:2", "trainer.batch_size": 4,
             "trainer.global_batch_size": 16, "trainer.max_steps": 40, "trainer.log_every": 10,
             "trainer.eval_every": 1000, "trainer.progress_bar": "false", "optim.lr": 3e-3,
-            "optim.warmup_steps": 5, "distributed.timeout_s": 60, "run.dir": str(run_dir)}
-    base.update(extra)
-    return ["train"] + [f"{k}={v}" for k, v in base.items()]
+            "optim.warmup_steps": 5, "distributed.timeout_s": 60, **extra}
+
+
+def _finetune_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:
+    over = {**_settings(model, train, val, **extra), "run.dir": str(run_dir)}
+    return ["train"] + [f"{k}={v}" for k, v in over.items()]
+
+
+def _finetuned(tmp_path_factory, model: Path, train: Path, val: Path, **extra) -> Run:
+    """The session's fine-tuning run of these settings (read only)."""
+    return trained_run(tmp_path_factory, _settings(model, train, val, **extra))
+
+
+# LoRA on 2 workers, a snapshot every 4 steps: the LoRA tests' run and the killed run's reference
+LORA = {"model.lora.r": 4, "trainer.max_steps": 16, "trainer.log_every": 1,
+        "checkpoint.every_steps": 4, "checkpoint.record_samples": "true", "optim.lr": 1e-2}
 
 
 def _val_loss_on_outputs(model_dir: Path, val: Path, model=None) -> float:
@@ -81,12 +102,11 @@ def _val_loss_on_outputs(model_dir: Path, val: Path, model=None) -> float:
     return total / count
 
 
-def test_pretrain_export_finetune_generate(tmp_path, pretrained, pairs):
+def test_pretrain_export_finetune_generate(tmp_path, tmp_path_factory, pretrained, pairs):
     train, val = pairs
     before = _val_loss_on_outputs(pretrained, val)
-    run_dir = tmp_path / "ft"
-    r = run_cli(_finetune_args(pretrained, train, val, run_dir), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _finetuned(tmp_path_factory, pretrained, train, val)  # the LoRA test's full run too
+    run_dir = r.dir
     assert r.stderr.count("train.jsonl: 320 rows ->") == 1  # what encoding did, said once
     s = read_summary(run_dir)
     after = _val_loss_on_outputs(run_dir / "model", val)
@@ -135,46 +155,46 @@ def test_python_api_fine_tunes_on_lists(tmp_path, pretrained, monkeypatch):
     assert read_summary(tmp_path / "api")["world_size"] == 2
 
 
-def test_bad_fine_tuning_input_is_one_line_and_exit_2(tmp_path, pretrained, pairs):
+def test_bad_fine_tuning_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, hf_llama,
+                                                       pairs):
+    """One real process (the data is refused in the launching process: exit 2, nothing
+    written); the other refusals in this process, through the same cli.main."""
     train, val = pairs
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input": "a", "output": "b"}\n{"input": "c", "output": "d"}\n'
                    '{"input": "e", "answer": "f"}\n')
-    r = run_cli(_finetune_args(pretrained, bad, val, tmp_path / "r1"), cwd=tmp_path)
+    r = run_cli(_finetune_args(hf_llama, bad, val, tmp_path / "r1"), cwd=tmp_path)
     assert r.returncode == 2
     assert "bad.jsonl" in r.stderr and "row 3" in r.stderr and "output" in r.stderr
-    r = run_cli(_finetune_args(pretrained, train, val, tmp_path / "r2",
-                               **{"model.arch": "llama"}), cwd=tmp_path)
-    assert r.returncode == 2 and "model.arch=hf" in r.stderr
+    assert "Traceback" not in r.stderr
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(capsys, _finetune_args(hf_llama, train, val, tmp_path / "r2",
+                                            **{"model.arch": "llama"}))
+    assert "model.arch=hf" in line
     encdec = tmp_path / "t5"
     encdec.mkdir()
     (encdec / "config.json").write_text(json.dumps({"model_type": "t5",
                                                     "is_encoder_decoder": True}))
-    r = run_cli(_finetune_args(encdec, train, val, tmp_path / "r3", **{"data.format": "chat"}),
-                cwd=tmp_path)  # (pairs train an encoder-decoder model: tasks/seq2seq.py)
-    assert r.returncode == 2 and "encoder-decoder" in r.stderr
+    # (pairs train an encoder-decoder model: tasks/seq2seq.py; chat data does not)
+    assert "encoder-decoder" in cli_error(capsys, _finetune_args(
+        encdec, train, val, tmp_path / "r3", **{"data.format": "chat"}))
     notok = tmp_path / "no-tokenizer"
     notok.mkdir()
-    (notok / "config.json").write_text((pretrained / "config.json").read_text())
-    r = run_cli(_finetune_args(notok, train, val, tmp_path / "r4"), cwd=tmp_path)
-    assert r.returncode == 2 and "data.tokenizer" in r.stderr
-    for res in [r]:
-        assert "Traceback" not in res.stderr
+    (notok / "config.json").write_text((hf_llama / "config.json").read_text())
+    assert "data.tokenizer" in cli_error(capsys, _finetune_args(notok, train, val,
+                                                                tmp_path / "r4"))
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r4").exists()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_lora_trains_adapters_only_and_reloads_with_peft(tmp_path, pretrained, pairs, strategy):
+def test_lora_trains_adapters_only_and_reloads_with_peft(tmp_path_factory, pretrained, pairs,
+                                                         strategy):
     peft = pytest.importorskip("peft")
     import transformers
     from safetensors.torch import load_file
     train, val = pairs
-    common = {"trainer.max_steps": 20, "trainer.log_every": 1, "optim.lr": 1e-2,
-              "trainer.strategy": strategy}
-    run_dir = tmp_path / "lora"
-    r = run_cli(_finetune_args(pretrained, train, val, run_dir, **common,
-                               **{"model.lora.r": 8}), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir = _finetuned(tmp_path_factory, pretrained, train, val,
+                         **{**LORA, "trainer.strategy": strategy}).dir
     losses = [m["loss"] for m in read_metrics(run_dir)]
     assert sum(losses[-3:]) < sum(losses[:3]) - 0.05, losses  # the adapters learn
     # frozen: every weight LoRA does not touch is bitwise the pretrained one in the merged model
@@ -190,12 +210,13 @@ def test_lora_trains_adapters_only_and_reloads_with_peft(tmp_path, pretrained, p
     s = read_summary(run_dir)
     assert _val_loss_on_outputs(pretrained, val, with_adapter) == \
         pytest.approx(s["val_loss"], abs=1e-4)
-    # optimizer state per rank: adapters only
-    full_dir = tmp_path / "full"
-    r = run_cli(_finetune_args(pretrained, train, val, full_dir, **common), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    # optimizer state per rank: adapters only, against full fine-tuning with the same strategy
+    # (ddp: the session's run of the defaults, whose strategy auto picks ddp)
+    full = {} if strategy == "ddp" else {"trainer.strategy": strategy, "trainer.max_steps": 16}
+    full_summary = read_summary(_finetuned(tmp_path_factory, pretrained, train, val, **full).dir)
+    assert full_summary["strategy"] == strategy
     lora_opt = s["memory"][0]["optimizer_bytes"]
-    full_opt = read_summary(full_dir)["memory"][0]["optimizer_bytes"]
+    full_opt = full_summary["memory"][0]["optimizer_bytes"]
     assert lora_opt <= 0.05 * full_opt, (lora_opt, full_opt)
 
 
@@ -253,7 +274,8 @@ def test_early_stopping_stops_where_predicted_and_keeps_the_best(tmp_path, pretr
     assert not (run_dir / ".best").exists()
 
 
-def test_lora_fsdp_killed_and_rerun_ends_bit_identical(tmp_path, pretrained, pairs):
+def test_lora_fsdp_killed_and_rerun_ends_bit_identical(tmp_path, tmp_path_factory, pretrained,
+                                                        pairs):
     """LoRA under FSDP2 on 2 workers, snapshots every 4 steps: SIGKILL the whole job after a
     committed snapshot, run the same command again: it resumes and ends bit-identical to an
     uninterrupted run (losses, sample ids, merged weights, adapter)."""
@@ -263,18 +285,12 @@ def test_lora_fsdp_killed_and_rerun_ends_bit_identical(tmp_path, pretrained, pai
     from tests.distributed._snapshot_helpers import (
         assert_bit_identical,
         committed_steps,
-        finish,
         kill_job,
-        start_cli,
         wait_for,
     )
     train, val = pairs
-    extra = {"model.lora.r": 4, "trainer.strategy": "fsdp", "trainer.max_steps": 16,
-             "trainer.log_every": 1, "checkpoint.every_steps": 4,
-             "checkpoint.record_samples": "true", "optim.lr": 1e-2}
-    ref = tmp_path / "ref"
-    r = run_cli(_finetune_args(pretrained, train, val, ref, **extra), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    extra = {**LORA, "trainer.strategy": "fsdp"}
+    ref = _finetuned(tmp_path_factory, pretrained, train, val, **extra).dir  # LoRA test's too
     run_dir = tmp_path / "killed"
     args = _finetune_args(pretrained, train, val, run_dir, **extra)
     proc = start_cli(args, cwd=tmp_path)
@@ -311,7 +327,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
 
 
 def test_chat_records_train_on_assistant_turns_and_generate_with_the_template(
-        tmp_path, pretrained, pairs):
+        tmp_path, monkeypatch, capsys, pretrained, pairs):
     train, _ = pairs
     rows = [json.loads(line) for line in train.read_text().splitlines()[:96]]
     chat = tmp_path / "chat.jsonl"
@@ -334,7 +350,8 @@ def test_chat_records_train_on_assistant_turns_and_generate_with_the_template(
     g = run_cli(["generate", str(run_dir), "--prompt", "def read(self):", "--max-new-tokens",
                  "4"], cwd=tmp_path)
     assert g.returncode == 0 and g.stdout.startswith("def read(self):"), g.stderr[-2000:]
-    # chat data without any template: one line, exit 2
-    r = run_cli(_finetune_args(pretrained, chat, chat, tmp_path / "none", **{
-        "data.format": "chat"}), cwd=tmp_path)
-    assert r.returncode == 2 and "chat template" in r.stderr.strip().splitlines()[-1]
+    # chat data without any template: one line, exit 2 (in this process)
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(capsys, _finetune_args(pretrained, chat, chat, tmp_path / "none", **{
+        "data.format": "chat"}))
+    assert "chat template" in line

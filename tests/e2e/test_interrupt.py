@@ -11,11 +11,9 @@ import time
 
 import pytest
 
-from tests.conftest import run_cli, tiny_overrides
+from tests.conftest import finish, run_cli, start_cli, tiny_overrides
 from tests.distributed._snapshot_helpers import (
     committed_steps,
-    finish,
-    start_cli,
     steps_logged,
     wait_for,
 )

@@ -14,22 +14,23 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import make_hf_tokenizer, read_metrics, run_cli, tiny_overrides
+from tests.conftest import (
+    corpus_texts,
+    make_hf_tokenizer,
+    read_metrics,
+    run_cli,
+    tiny_overrides,
+)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
-
-
-def _texts(corpus_dir: Path) -> list[str]:
-    from paratrain.data import resolve_corpus
-    return list(resolve_corpus(str(corpus_dir)).documents())
 
 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory, corpus_dir) -> tuple[Path, Path]:
     """(Llama-like <s>/</s>, GPT-2-like <|endoftext|> alone), both trained on the corpus."""
     tmp = tmp_path_factory.mktemp("tokenizers")
-    texts = _texts(corpus_dir)
+    texts = corpus_texts(corpus_dir)
     return (make_hf_tokenizer(tmp / "llama_like", texts, 384),
             make_hf_tokenizer(tmp / "gpt2_like", texts, 320, bos=False))
 
@@ -61,7 +62,7 @@ def test_trains_and_the_cache_holds_the_tokenizers_encoding(run, tokenizers, cor
     [prepared] = _caches(cache)
     meta = json.loads((prepared / "meta.json").read_text())
     assert meta["tokenizer"] == "pretrained" and meta["eot_id"] == hf.eos_token_id
-    texts = set(_texts(corpus_dir))
+    texts = set(corpus_texts(corpus_dir))
     seen = 0
     for split in ("train", "val"):
         tokens = np.fromfile(prepared / f"{split}.bin", dtype=meta["dtype"])

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 
 import pytest
 
-from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
+from tests._runs import tiny_run
+from tests.conftest import read_metrics, read_summary, run_cli
 
 pytestmark = pytest.mark.timeout(300)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -24,15 +26,13 @@ def png_size(path) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, corpus_dir, cache_dir):
+    """(where it ran, the run dir) of the session's 2-worker run of 12 steps: read only."""
     pytest.importorskip("matplotlib")
     pytest.importorskip("tensorboard")
-    cwd = tmp_path_factory.mktemp("report")
-    r = run_cli(["train"] + tiny_overrides(corpus_dir, cache_dir, **{
-        "run.name": "rep", "trainer.devices": "cpu:2", "trainer.max_steps": 12,
-        "trainer.log_every": 2, "trainer.eval_every": 6, "trainer.eval_samples": 32}),
-        cwd=cwd, timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return cwd, cwd / "runs" / "rep"
+    trained = tiny_run(tmp_path_factory, corpus_dir, cache_dir, **{
+        "trainer.devices": "cpu:2", "trainer.max_steps": 12, "trainer.log_every": 2,
+        "trainer.eval_every": 6, "trainer.eval_samples": 32})
+    return trained.cwd, trained.dir
 
 
 def test_report_png_after_a_run(run):
@@ -87,8 +87,9 @@ def test_tensorboard_events_match_metrics_jsonl(run):
         assert event.value == pytest.approx(entry["params_bytes"] / 2**20, rel=1e-6)
 
 
-def test_report_command_redraws(run):
-    cwd, run_dir = run
+def test_report_command_redraws(run, tmp_path):
+    cwd = tmp_path
+    run_dir = shutil.copytree(run[1], tmp_path / "run")  # this test changes what it finds
     png = run_dir / "report.png"
     png.unlink()
     r = run_cli(["report", str(run_dir)], cwd=cwd, timeout=60)

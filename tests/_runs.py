@@ -1,0 +1,68 @@
+"""The session's trained runs: each configuration is trained once, by the real CLI, and every test
+that only reads a finished run of it gets the same one.
+
+The key is the resolved configuration (defaults filled in, run.name/run.dir left out), so two
+tests that spell the same run differently (a default given or not) still share it. The runs are
+read only: a test that changes a run dir (deletes, renames, resumes into it) works on a copy.
+
+Standard runs several files compare against (the tiny model of `tiny_overrides`, 10 steps, a
+global batch of 8, 37 validation windows: odd, so uneven over 2 and 4 ranks):
+`ONE_WORKER` (one process) and `TWO_WORKERS` (2 CPU workers, strategy auto: ddp here).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from tests.conftest import run_cli, tiny_overrides
+
+ONE_WORKER = {"trainer.devices": "cpu:1", "trainer.batch_size": 8,
+              "trainer.global_batch_size": 8, "trainer.eval_samples": 37}
+TWO_WORKERS = {"trainer.devices": "cpu:2", "trainer.batch_size": 4,
+               "trainer.global_batch_size": 8, "trainer.eval_samples": 37}
+
+
+@dataclass(frozen=True)
+class Run:
+    """A finished `paratrain train` run: its run dir, where the command ran, the overrides it
+    was given (without run.dir) and what it printed."""
+    dir: Path
+    cwd: Path
+    overrides: list[str]
+    stdout: str
+    stderr: str
+
+
+_RUNS: dict[str, Run] = {}
+
+
+def trained_run(tmp_path_factory, overrides: Mapping[str, object], timeout: float = 240) -> Run:
+    """`paratrain train KEY=VALUE...` trained once per session; the run dir is the cache's own.
+    """
+    over = [f"{k}={v}" for k, v in overrides.items()]
+    assert not any(o.startswith(("run.dir=", "run.name=")) for o in over), \
+        "the cache names its runs; leave run.dir and run.name out"
+    key = _key(over)
+    if key not in _RUNS:
+        cwd = tmp_path_factory.mktemp("run")
+        r = run_cli(["train"] + over + [f"run.dir={cwd / 'run'}"], cwd=cwd, timeout=timeout)
+        assert r.returncode == 0, r.stderr[-3000:]
+        _RUNS[key] = Run(cwd / "run", cwd, over, r.stdout, r.stderr)
+    return _RUNS[key]
+
+
+def tiny_run(tmp_path_factory, corpus_dir: Path, cache_dir: Path, **extra) -> Run:
+    """The tiny model on the corpus (`tiny_overrides`) with `extra`, trained once per session."""
+    base = tiny_overrides(corpus_dir, cache_dir, **extra)
+    return trained_run(tmp_path_factory, dict(o.split("=", 1) for o in base))
+
+
+def _key(overrides: list[str]) -> str:
+    """What the run computes: its whole resolved configuration but the run's name and place."""
+    from paratrain.config import TrainConfig
+    resolved = TrainConfig.from_yaml(None, overrides).to_dict()
+    resolved.pop("run")
+    return json.dumps(resolved, sort_keys=True, default=str)
