@@ -22,8 +22,10 @@ from .errors import ConfigError, Interrupted
 from .launch import environment
 from .launch.nodes import join_nodes
 from .launch.preemption import requeue_slurm_job
+from .launch.worker import exit_after_result, own_session
 from .parallel.strategies import processes_per_node
 from .records.console import log
+from .records.timeline import Timeline
 from .runplan import RunPlan, auto_choice, check_elastic_batch, make_plan
 from .runtime.rank import prepare_task, run_rank
 from .tasks import registry
@@ -159,6 +161,8 @@ class Trainer:
                                          cfg.distributed.timeout_s)
             return _result(run_rank(cfg, dataclasses.replace(env, attempt=restart_attempt()),
                                     given=self.given))
+        timeline = Timeline.of_this_process()  # where the start-up goes (summary.json)
+        timeline.mark("launcher_imports")
         devices = environment.parse_devices(cfg.trainer.devices)
         d = cfg.distributed
         # Everything a user can get wrong is checked here, before a single worker starts.
@@ -180,7 +184,8 @@ class Trainer:
             env = DistEnv.single(devices[0])
             task = prepare_task(cfg, env, self.given)
             plan = make_plan(cfg, task, devices=devices, world_size=1, local_world_size=1)
-            return _result(run_rank(cfg, env, plan, task))
+            timeline.mark("launcher_data")
+            return _result(run_rank(cfg, env, plan, task, timeline))
         with join_nodes(d.master_addr, d.master_port, d.max_nodes, d.node_rank, nproc,
                         d.timeout_s, config=cfg.to_dict(), rdzv=d.rdzv,
                         min_nodes=d.min_nodes) as nodes:
@@ -193,7 +198,8 @@ class Trainer:
                 log(node_env, f"elastic: {d.min_nodes} to {d.max_nodes} nodes; a node that "
                               f"leaves or joins restarts the job from its last snapshot (up to "
                               f"{restarts} failures)")
-                results = nodes.launch(worker_entry, (cfg, None, self.given),
+                timeline.mark("launcher_data")
+                results = nodes.launch(worker_entry, (cfg, None, self.given, timeline),
                                        max_restarts=restarts, grace_s=d.timeout_s)
             else:
                 world = nproc * d.max_nodes
@@ -202,7 +208,8 @@ class Trainer:
                 plan = make_plan(cfg, task, devices=devices, world_size=world,
                                  local_world_size=nproc, choice=choice,
                                  ranks_on_host=nodes.ranks_on_host)
-                results = nodes.launch(worker_entry, (cfg, plan, self.given),
+                timeline.mark("launcher_data")
+                results = nodes.launch(worker_entry, (cfg, plan, self.given, timeline),
                                        max_restarts=d.max_restarts, grace_s=d.timeout_s)
         stopped = [r["stopped_by"] for r in results.values() if r.get("stopped_by")]
         if stopped:  # a stop signal reached a worker, not us: the job stopped all the same
@@ -211,13 +218,17 @@ class Trainer:
 
 
 def worker_entry(cfg: TrainConfig, plan: Optional[RunPlan],
-                 given: Union[Task, TaskRecords, None] = None) -> dict:
+                 given: Union[Task, TaskRecords, None] = None,
+                 timeline: Optional[Timeline] = None) -> dict:
     """One worker started by the elastic agent (pickled by name, so it lives at module level).
-    `plan` None: an elastic round, whose ranks plan for the world size they found."""
+    `plan` None: an elastic round, whose ranks plan for the world size they found. `timeline`:
+    the launcher's start-up, which this worker goes on marking."""
     from torch.distributed.elastic.multiprocessing.errors import record
+    own_session()  # a scheduler share of its own on a busy machine, as torchrun's workers get
     try:
-        out = record(_worker_main)(cfg, plan, given)
-    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the rank has cleaned
+        out = record(_worker_main)(cfg, plan, given,
+                                   timeline.continued_in_worker() if timeline else None)
+    except KeyboardInterrupt:  # a second stop signal (Ctrl-C); the rank has cleaned
         import os  # up (finally blocks ran): leave now, not after joining a snapshot thread
         import sys  # or a slow interpreter shutdown; the launcher says where it stopped
         sys.stderr.flush()
@@ -234,17 +245,20 @@ def worker_entry(cfg: TrainConfig, plan: Optional[RunPlan],
         timer = threading.Timer(2.0, os._exit, (0,))
         timer.daemon = True  # never what keeps the process alive
         timer.start()
+    else:
+        exit_after_result()  # the value is all the launcher waits for: no slow teardown
     return out
 
 
 def _worker_main(cfg: TrainConfig, plan: Optional[RunPlan],
-                 given: Union[Task, TaskRecords, None]) -> dict:
+                 given: Union[Task, TaskRecords, None], timeline: Optional[Timeline]) -> dict:
     launcher = environment.detect_launcher()
     assert launcher is not None, "worker_entry runs under the elastic agent"
     env = environment.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
                                  cfg.distributed.timeout_s,
                                  devices=list(plan.devices) if plan is not None else None)
-    return run_rank(cfg, dataclasses.replace(env, attempt=restart_attempt()), plan, given)
+    return run_rank(cfg, dataclasses.replace(env, attempt=restart_attempt()), plan, given,
+                    timeline)
 
 
 def _result(out: dict) -> RunResult:

@@ -28,16 +28,12 @@ when it checks the marker (store.problem). `paratrain checkpoint verify` reads e
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
-
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.storage import WriteResult
-# (not exported by torch.distributed.checkpoint; DCP picks it itself for a URL checkpoint_id)
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from ..errors import CheckpointError
 from ..formatting import first_line
@@ -180,6 +176,7 @@ class _ChecksumWriter:
         self.files: dict[str, Written] = {}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        from torch.distributed.checkpoint.storage import WriteResult
         from torch.futures import Future  # what DCP waits on
         results = super().write_data(plan, planner).wait()  # type: ignore[misc]
         if results:  # the first result carries this rank's files (a rank with none wrote none)
@@ -192,6 +189,7 @@ class _ChecksumWriter:
         return out
 
     def finish(self, metadata: Any, results: list) -> None:
+        from torch.distributed.checkpoint.storage import WriteResult
         files: dict[str, Written] = {}
         plain = []
         for rank, rank_results in enumerate(results):
@@ -211,18 +209,28 @@ class _ChecksumWriter:
         self.files = files
 
 
-class ChecksumFileWriter(_ChecksumWriter, FileSystemWriter):
-    """DCP's writer for a local folder, checksumming."""
-
-
-class ChecksumFsspecWriter(_ChecksumWriter, FsspecWriter):
-    """DCP's writer for an fsspec URL (s3://...), checksumming."""
-
-
 def writer(url: str) -> Any:
     """DCP's file writer for `url` (a local path, or an fsspec URL such as s3://, as DCP itself
     would choose), checksumming every file it writes."""
-    return ChecksumFsspecWriter(url) if "://" in url else ChecksumFileWriter(url)
+    return _writer_class(fsspec="://" in url)(url)
+
+
+@functools.cache
+def _writer_class(fsspec: bool) -> type:
+    """The checksumming subclass of DCP's writer, made on first use: importing DCP (and fsspec)
+    takes seconds, which a launcher, and a run that never writes a snapshot, need not pay."""
+    if fsspec:
+        # (not exported by torch.distributed.checkpoint; DCP picks it itself for a URL)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        class ChecksumFsspecWriter(_ChecksumWriter, FsspecWriter):
+            """DCP's writer for an fsspec URL (s3://...), checksumming."""
+        return ChecksumFsspecWriter
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class ChecksumFileWriter(_ChecksumWriter, FileSystemWriter):
+        """DCP's writer for a local folder, checksumming."""
+    return ChecksumFileWriter
 
 
 # ---- reading -----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ use; snapshotter.py saves and restores a training run through it.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -35,7 +36,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..config import TrainConfig
 from ..data.tokenizer import TOKENIZER_FILE, TOKENIZER_FILES, tokenizer_files
@@ -252,18 +252,33 @@ class Store:
 
 
 # ---- loading without unpickling ----------------------------------------------------------------
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner reads non-tensor values (optimizer hyper-parameters) with
-    `torch.load(weights_only=False)`, i.e. arbitrary unpickling. Ours allows only what torch's
-    weights-only unpickler allows: numbers, strings, tuples, tensors."""
+@functools.cache
+def _safe_load_planner() -> type:
+    """`SafeLoadPlanner`, made on first use: importing DCP takes a second or more, and a launcher
+    or a run that never loads a snapshot need not pay it."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """DCP's default planner reads non-tensor values (optimizer hyper-parameters) with
+        `torch.load(weights_only=False)`, i.e. arbitrary unpickling. Ours allows only what
+        torch's weights-only unpickler allows: numbers, strings, tuples, tensors."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            from torch.distributed.checkpoint._traverse import set_element
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                            obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeLoadPlanner
+
+
+def __getattr__(name: str) -> Any:  # `store.SafeLoadPlanner`, made when first asked for
+    if name == "SafeLoadPlanner":
+        return _safe_load_planner()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def split(path: str) -> tuple[Store, Optional[int]]:
@@ -289,7 +304,8 @@ def load_model_weights(path: str, template: dict[str, torch.Tensor]) -> dict[str
     state = {"model": template}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
-        dcp.load(state, checkpoint_id=store.url(step), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(state, checkpoint_id=store.url(step), planner=_safe_load_planner()(),
+                 no_dist=True)
     return state["model"]
 
 

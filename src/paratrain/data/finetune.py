@@ -14,6 +14,7 @@ windows of pretraining do. `max_length` bounds n, the whole sequence: prompt, an
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -320,15 +321,41 @@ class FinetuneDataset(Dataset):
             self.columns[key] = flat
         self.labels = (np.array([ex["label"] for ex in examples], dtype=np.int64)  # (N,)
                        if "label" in examples[0] else None)
+        self.rows: Optional[np.ndarray] = None  # (n,) the examples this holds; None: all
+
+    @classmethod
+    def from_arrays(cls, columns: Dict[str, np.ndarray], offsets: np.ndarray,
+                    labels: Optional[np.ndarray]) -> "FinetuneDataset":
+        """Over arrays laid out as `arrays()` gives them (the encoded-records cache, mapped)."""
+        ds = cls.__new__(cls)
+        ds.sequence_keys, ds.columns, ds.offsets, ds.labels = list(columns), columns, offsets, \
+            labels
+        ds.lengths, ds.rows = np.diff(offsets), None
+        return ds
+
+    def arrays(self) -> Dict[str, np.ndarray]:
+        """Every array of a whole dataset by name: its columns, "offsets" and "label"."""
+        assert self.rows is None, "a selection shares its arrays with the whole dataset"
+        return {**self.columns, "offsets": self.offsets,
+                **({"label": self.labels} if self.labels is not None else {})}
+
+    def select(self, rows: np.ndarray) -> "FinetuneDataset":
+        """The examples at `rows` (indices into this dataset), in that order, sharing its
+        arrays."""
+        ds = copy.copy(self)
+        ds.rows = np.asarray(rows, dtype=np.int64) if self.rows is None else self.rows[rows]
+        return ds
 
     def __len__(self) -> int:
-        return len(self.lengths)
+        return len(self.lengths) if self.rows is None else len(self.rows)
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(f"index {i} out of range for FinetuneDataset of length {len(self)}")
+        if self.rows is not None:
+            i = int(self.rows[i])
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         item = {key: torch.from_numpy(col[start:end].astype(np.int64))  # (L_i,)
                 for key, col in self.columns.items()}
@@ -378,16 +405,21 @@ def split_validation(examples: Sequence[Example], val_fraction: float, seed: int
                      ) -> Tuple[List[Example], List[Example]]:
     """(train, validation) by a fixed seeded permutation: the same examples, fraction and seed
     always give the same split, on every rank. Both parts keep the original order."""
+    train_rows, val_rows = validation_rows(len(examples), val_fraction, seed)
+    return [examples[i] for i in train_rows], [examples[i] for i in val_rows]
+
+
+def validation_rows(n: int, val_fraction: float, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """(training rows, validation rows) of `split_validation`, each in ascending order (for a
+    dataset's `select`)."""
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"validation fraction {val_fraction!r} must be between 0 and 1 "
                           "(exclusive); e.g. 0.05, or give a validation set")
-    n = len(examples)
     if n < 2:
         raise DataError(f"{n} example(s) cannot be split into training and validation; give "
                         "more data or a separate validation set")
     n_val = min(n - 1, max(1, round(n * val_fraction)))
     order = np.random.default_rng(seed).permutation(n)
-    val_idx = set(order[:n_val].tolist())
-    train = [ex for i, ex in enumerate(examples) if i not in val_idx]
-    val = [ex for i, ex in enumerate(examples) if i in val_idx]
-    return train, val
+    is_val = np.zeros(n, dtype=bool)
+    is_val[order[:n_val]] = True
+    return np.flatnonzero(~is_val), np.flatnonzero(is_val)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -54,6 +55,31 @@ def rows_from_lists(inputs: Sequence[str], outputs: Sequence[str], input_field: 
         raise ConfigError(f"{what}_input has {len(inputs)} items but {what}_output has "
                           f"{len(outputs)}; give exactly one output per input")
     return [{input_field: x, output_field: y} for x, y in zip(inputs, outputs)]
+
+
+def records_fingerprint(source: Any) -> str:
+    """sha256 of what the records are: a file's bytes, a folder's files (names and bytes), or the
+    rows of a list (as sorted-key JSON). Not where they lie: a copied file is the same records.
+    A path that does not exist hashes as its name (reading it then says what is wrong)."""
+    h = hashlib.sha256()
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(os.path.expanduser(str(source)))
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else \
+            [path] if path.is_file() else []
+        if not files:
+            return "missing:" + str(source)
+        for f in files:
+            h.update(str(f.relative_to(path)).encode() + b"\0" if f != path else b"\0")
+            with open(f, "rb") as stream:
+                for block in iter(lambda: stream.read(1 << 20), b""):
+                    h.update(block)
+        return h.hexdigest()
+    try:
+        text = json.dumps(list(source), sort_keys=True, ensure_ascii=False, default=repr)
+    except TypeError:  # keys of mixed types cannot be sorted
+        text = repr(list(source))
+    h.update(text.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
 
 
 def _describe(source: Any) -> str:

@@ -64,6 +64,7 @@ class TrainLoop:
         # Wall time of every step, end to end (data, step, logging, bar): `paratrain bench`
         # takes the median after warm-up, which leaves start-up and compilation out.
         self.step_times: list[float] = []
+        self.first_step_at = self.last_step_at = 0.0  # wall-clock ends of this run's steps
         self.step_cpu_times: list[float] = []  # CPU time of this process (all threads) per step
         self.sampler = GlobalSampler(len(task.train_ds), env.world_size, env.rank, cfg.trainer.seed,
                                      shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last,
@@ -203,6 +204,8 @@ class TrainLoop:
                     saved_at = self.step
                 now = time.perf_counter()
                 self.step_times.append(now - t_step)
+                self.last_step_at = time.time()
+                self.first_step_at = self.first_step_at or self.last_step_at
                 t_step, c_prev, c_step = now, c_step, time.process_time()
                 self.step_cpu_times.append(c_step - c_prev)
                 if self.best.should_stop:  # early stopping: the same step on every rank

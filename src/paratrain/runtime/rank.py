@@ -27,6 +27,7 @@ from ..parallel.precision import prepare_model
 from ..parallel.strategies import parallelize, parallelize_frozen
 from ..records import loggers
 from ..records.console import log
+from ..records.timeline import Timeline
 from ..redact import redact_url
 from ..runplan import RunPlan, auto_choice, make_plan
 from ..tasks import registry
@@ -38,13 +39,17 @@ BEST_DIR = ".best"  # keep_best: the best evaluation's outputs until the run end
 
 
 def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
-             given: Union[Task, TaskRecords, None] = None) -> dict:
+             given: Union[Task, TaskRecords, None] = None,
+             timeline: Optional[Timeline] = None) -> dict:
     """The run on this rank; {"summary", "run_dir", "is_master", "stopped_by"}. `plan` None:
     this rank was started by torchrun / Slurm, so it checks the run dir and plans for itself.
     `given`: what the Python API was handed (see `prepare_task`). A stop signal ends the run
-    early with a committed snapshot and `stopped_by` set to the signal number."""
+    early with a committed snapshot and `stopped_by` set to the signal number. `timeline`: the
+    launcher's start-up so far (None: this process is where the command started)."""
     from ..launch.environment import cpu_count
     t_start = time.perf_counter()
+    timeline = timeline or Timeline.of_this_process()
+    timeline.mark("imports")
     if env.device.type == "cpu":  # ranks sharing the cores: one slice each, not all each
         threads = plan.cpu_threads if plan is not None else cpu_count() // env.local_world_size
         torch.set_num_threads(max(1, threads))
@@ -53,6 +58,7 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
         if note:
             log(env, note)
     env.init()
+    timeline.mark("init")
     # Names a stalled rank instead of a bare collective timeout; stacks go to the run dir.
     stall_watchdog = watchdog.Watchdog.start(env, cfg.run_dir, cfg.distributed.timeout_s)
     model = optimizer = snapshots = records = None
@@ -63,6 +69,7 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
         task = prepare_task(cfg, env, given, quiet=plan is not None)
         if plan is None:
             plan = plan_on_ranks(cfg, env, task)
+        timeline.mark("data")
         model, optimizer, scheduler, scaler, n_params, frozen = _build(plan, env, task)
         snapshots = Snapshotter(plan, env, model, optimizer, scheduler, scaler,
                                 model_info=task.model_info, tokenizer_path=task.tokenizer_path)
@@ -79,6 +86,7 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
         snapshots.info["world_history"] = history
         if env.is_master:
             prepare_run_dir(cfg, None if resumed is None else resumed.step)
+        timeline.mark("model")
         _log_start(plan, env, task, n_params, resumed)
         if cfg.trainer.verbose:
             log(env, "memory at start:\n" + format_memory_table(
@@ -96,7 +104,11 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
                          on_best=save_best if cfg.trainer.keep_best else None, stop=stop)
         stall_watchdog.watch(loop.progress)
         records = loggers.RunRecords.open(cfg, env, start_step=loop.step)  # TensorBoard, ...
+        timeline.mark("records")
         last = loop.run(records)
+        if loop.first_step_at:
+            timeline.mark("first_step", loop.first_step_at)
+            timeline.mark("last_step", loop.last_step_at)
         if loop.stopped_by:  # a stop signal: the snapshot is committed; no evaluation, no model
             return {"summary": {}, "run_dir": str(cfg.run_dir), "is_master": env.is_master,
                     "stopped_by": loop.stopped_by, "step": loop.step}
@@ -125,6 +137,8 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
                               snapshots.report(), memory, time.perf_counter() - t_start,
                               history)
         summary.update(val_metrics)
+        summary.update(startup_s=timeline.phases(upto="first_step"),
+                       timeline={"start": timeline.start, **timeline.marks})
         unwritten = None  # why rank 0 could not write the outputs (disk full, ...)
         if env.is_master:
             try:

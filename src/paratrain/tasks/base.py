@@ -155,6 +155,18 @@ def token_loss(model: nn.Module, batch: dict, device: torch.device,
     return s, int((targets != IGNORE_INDEX).sum())
 
 
+def sequence_logps(model: nn.Module, batch: dict, amp: ContextManager) -> torch.Tensor:
+    """(N,) each row's log-probability of its counted targets, summed (pads, prompts:
+    IGNORE_INDEX targets count nothing): DPO's policy and reference scores."""
+    targets = batch["targets"]  # (N, T)
+    with amp:
+        out = model(batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits = out.logits if hasattr(out, "logits") else out  # (N, T, V)
+    per_token = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                 ignore_index=IGNORE_INDEX, reduction="none")  # (N*T,)
+    return per_token.view(targets.shape).sum(-1)  # (N,)
+
+
 def check_picklable(**objects: Any) -> None:
     """Workers are spawned: what is handed to them must pickle. Say which argument does not,
     and what to do, before any process starts."""

@@ -4,8 +4,9 @@ validation split, LoRA, pad-to-longest batches, and a `from_pretrained` output f
 the tokenizer files byte for byte. A task (causal_lm.py, classify.py) adds its encoder, the
 transformers auto class it loads, and its loss.
 
-The records are read and encoded in every process the same way (encoding is deterministic), so
-the workers need only the config, or the Python API's lists, to rebuild the task.
+The records are encoded once, by the launcher, into a cache keyed by everything that changes them
+(data/encoded.py): the workers, and the next run on the same data, map it instead of loading the
+tokenizer and encoding again; they need only the config, or the Python API's lists, to find it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..config_checks import model_config, resolve_tokenizer
+from ..data.encoded import Encoded, fingerprint, load_or_encode
 from ..data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from ..dist import DistEnv
 from ..errors import ConfigError
@@ -60,35 +62,68 @@ class PretrainedTask(NoFrozenModels):
     @classmethod
     def prepare(cls, cfg: TrainConfig, env: DistEnv, records: Optional[TaskRecords],
                 log: Callable[[str], None]) -> "PretrainedTask":
-        """Tokenizer, records, encoding and the validation split; each note is logged."""
-        from ..data.finetune import split_validation
-        from ..data.hf_tokenizer import load_tokenizer
-        quiet_transformers()
+        """The encoded records (reused from the cache, or encoded and cached: data/encoded.py;
+        a task whose examples have a dataset of its own encodes in every process) and the
+        validation split; each note is logged."""
+        from ..data.finetune import validation_rows
         d = cfg.data
         tokenizer_dir = Path(resolve_tokenizer(cfg.data, cfg.model)).expanduser()
         cls.check_model(cfg)
+        train_src, val_src = record_sources(cfg, records)
+        names = {"train": "train_input" if records else str(d.source),
+                 "val": "validation_input" if records else str(d.val_source),
+                 "tokenizer": str(tokenizer_dir)}
+        if cls.dataset.__func__ is PretrainedTask.dataset.__func__:  # arrays: cached, mapped
+            key = fingerprint(cfg, f"{cls.__module__}.{cls.__qualname__}", train_src, val_src,
+                              tokenizer_dir)
+            encoded = load_or_encode(cfg.cache_dir, key, tokenizer_dir, names,
+                                     lambda: cls.encode_records(cfg, tokenizer_dir, train_src,
+                                                                val_src, names), log)
+            if encoded.reused:  # the key holds the tokenizer and data, not model.path
+                cls.check_fits(cfg, encoded.tokenizer)
+        else:
+            encoded = cls.encode_records(cfg, tokenizer_dir, train_src, val_src, names,
+                                         split=True)
+            for line in encoded.notes:
+                log(line)
+        train, val = encoded.train, encoded.val
+        held_out = val_src is None and d.val_fraction > 0  # no validation records: a split
+        if held_out and val is None:  # (the cached examples are split here, as they load)
+            train_rows, val_rows = validation_rows(len(train), d.val_fraction, cfg.trainer.seed)
+            train, val = train.select(train_rows), train.select(val_rows)
+        if held_out:
+            log(f"validation: {len(val)} of {len(train) + len(val)} {cls.sample_name} held out "
+                f"(data.val_fraction={d.val_fraction}); data.val_source=FILE gives a set of its "
+                "own")
+        task = cls(cfg, encoded.tokenizer, train, val, tokenizer_dir,
+                   data_fingerprint=encoded.fingerprint, **encoded.task_fields)
+        if task.lora:
+            log(task.lora_line())
+        return task
+
+    @classmethod
+    def encode_records(cls, cfg: TrainConfig, tokenizer_dir: Path, train_src: Any, val_src: Any,
+                       names: dict, split: bool = False) -> Encoded:
+        """Load the tokenizer, read the records and encode them with the task's encoder
+        (`split`: hold out data.val_fraction of the examples here, when there are no validation
+        records; the cached path splits at load time instead, with the same rows)."""
+        from ..data.finetune import split_validation
+        from ..data.hf_tokenizer import load_tokenizer
+        from ..data.records import read_rows
+        quiet_transformers()
         tokenizer, note = load_tokenizer(tokenizer_dir)
         cls.check_fits(cfg, tokenizer)  # before the data is read: a typo costs a second
         notes = [note] if note else []
-        train_rows, val_rows = read_records(cfg, records)
         encode = cls.encoder(cfg, tokenizer, notes)
-        train = encode(train_rows, "train_input" if records else str(d.source))
-        if val_rows is not None:
-            val = encode(val_rows, "validation_input" if records else str(d.val_source))
-        elif d.val_fraction > 0:
-            train, val = split_validation(train, d.val_fraction, seed=cfg.trainer.seed)
-            notes.append(f"validation: {len(val)} of {len(train) + len(val)} {cls.sample_name} "
-                         f"held out (data.val_fraction={d.val_fraction}); data.val_source=FILE "
-                         "gives a set of its own")
-        else:
-            val = []
-        task = cls(cfg, tokenizer, cls.dataset(train), cls.dataset(val) if val else None,
-                   tokenizer_dir, **encode.task_fields())
-        if task.lora:
-            notes.append(task.lora_line())
-        for line in notes:
-            log(line)
-        return task
+        what = ("train", "validation") if isinstance(train_src, list) else \
+            ("data.source", "data.val_source")
+        train = encode(read_rows(train_src, what=what[0]), names["train"])
+        val = encode(read_rows(val_src, what=what[1]), names["val"]) \
+            if val_src is not None else None
+        if val is None and split and cfg.data.val_fraction > 0:  # uncached: split the examples
+            train, val = split_validation(train, cfg.data.val_fraction, seed=cfg.trainer.seed)
+        return Encoded(cls.dataset(train), cls.dataset(val) if val else None, notes,
+                       encode.task_fields(), tokenizer)
 
     @classmethod
     def dataset(cls, examples: list) -> Any:
@@ -163,6 +198,7 @@ class PretrainedTask(NoFrozenModels):
         """The pretrained model (with LoRA adapters and its base frozen, when asked; with NEFTune
         noise on its input embeddings while training, when trainer.neftune_noise_alpha)."""
         from .lora import apply_lora
+        quiet_transformers()
         model = self.load_pretrained()
         if self.lora:
             model = apply_lora(model, self.cfg.model.lora, task_type=self.lora_task_type)
@@ -222,16 +258,13 @@ def neftune_noise(alpha: float, module: nn.Module, inputs: Any, output: Any) -> 
     return output + torch.zeros_like(output).uniform_(-bound, bound)  # (B, T, C)
 
 
-def read_records(cfg: TrainConfig, records: Optional[TaskRecords]
-                 ) -> tuple[list, Optional[list]]:
-    """(training rows, validation rows or None): the Python API's lists, else data.source and
-    data.val_source read as records."""
-    from ..data.records import read_rows
+def record_sources(cfg: TrainConfig, records: Optional[TaskRecords]) -> tuple[Any, Any]:
+    """(training records, validation records or None): the Python API's lists, else the paths
+    data.source and data.val_source."""
     if records is not None:
         return records.train, records.val
     d = cfg.data
     if d.source == "stdlib":
         raise ConfigError(f"data.format={d.format} needs data.source: a .jsonl, .parquet or .csv "
                           "file (or a datasets folder) of records")
-    train_rows = read_rows(d.source, what="data.source")
-    return train_rows, read_rows(d.val_source, what="data.val_source") if d.val_source else None
+    return d.source, d.val_source or None

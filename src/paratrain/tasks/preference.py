@@ -33,9 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.dataset import IGNORE_INDEX
 from ..formatting import human_count
-from .base import NO_FROZEN, Frozen, MemoryProbe, to_device
+from .base import NO_FROZEN, Frozen, MemoryProbe, sequence_logps, to_device
 from .causal_lm import CausalLMTask
 from .hf import Encoder
 
@@ -223,18 +222,6 @@ class _BothRows(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx.repeat(2, 1)).logits[:1]  # (1, T, V) of (2, T, V)
-
-
-def sequence_logps(model: nn.Module, batch: dict, amp: ContextManager) -> torch.Tensor:
-    """(N,) each row's log-probability of its counted targets, summed (pads, prompts:
-    IGNORE_INDEX targets count nothing)."""
-    targets = batch["targets"]  # (N, T)
-    with amp:
-        out = model(batch["input_ids"], attention_mask=batch["attention_mask"])
-    logits = out.logits if hasattr(out, "logits") else out  # (N, T, V)
-    per_token = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                 ignore_index=IGNORE_INDEX, reduction="none")  # (N*T,)
-    return per_token.view(targets.shape).sum(-1)  # (N,)
 
 
 def adapters_of(model: nn.Module) -> nn.Module:

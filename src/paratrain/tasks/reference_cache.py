@@ -57,8 +57,7 @@ def attach_reference(task: Any, env: Any, log: Callable[[str], None]) -> None:
 @torch.no_grad()
 def _logps(task: Any, model: torch.nn.Module, ds: Any, batch_size: int,
            device: torch.device) -> np.ndarray:
-    from .base import to_device
-    from .preference import sequence_logps
+    from .base import sequence_logps, to_device
     out = []
     for start in range(0, len(ds), batch_size):
         batch = task.collate([ds[i] for i in range(start, min(start + batch_size, len(ds)))])
