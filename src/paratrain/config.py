@@ -103,6 +103,7 @@ class TrainerConfig:
     cpu_offload: bool = False  # fsdp: keep parameters, gradients and optimizer state in RAM
     reshard_after_forward: bool = True  # fsdp: free full parameters after forward (less memory)
     shard_group_size: Optional[int] = None  # hsdp: ranks per shard group (null: those of a node)
+    tensor_parallel: int = 1  # processes of a node that split each layer's matrices (1: off)
     progress_bar: bool = True
     early_stopping_patience: Optional[int] = None  # stop after N evaluations without improvement
     early_stopping_threshold: float = 0.0  # an improvement lowers the validation loss by more
@@ -174,6 +175,14 @@ class LogConfig:
 
 
 @dataclass
+class PlanConfig:
+    """`paratrain plan`'s target layout, simulated without processes (null: this machine's)."""
+    nodes: Optional[int] = None  # nodes in the job
+    devices_per_node: Optional[int] = None  # processes (GPUs) per node
+    device_memory_gb: Optional[float] = None  # memory of one device, GB (10^9 bytes)
+
+
+@dataclass
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -183,6 +192,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

@@ -2,8 +2,10 @@
 
 - Every global batch is the same set of samples whatever the world size (GlobalSampler).
 - The loss is a token-weighted mean over all ranks and micro-steps: each micro-step backpropagates
-  sum(token losses) * world / (tokens in the global batch), and the data-parallel gradient mean
-  over ranks undoes the `* world`, so the gradient does not depend on how the batch was split.
+  sum(token losses) * dp / (tokens in the global batch), and the data-parallel gradient mean
+  over the dp ranks undoes the `* dp`, so the gradient does not depend on how the batch was split.
+  (dp is the world size unless tensor parallelism makes groups of ranks share one batch: then
+  the plan's ParallelDims says which slice a rank reads and whether its sums count.)
 - Validation visits every sample exactly once, and every rank runs the same number of batches
   (a rank out of samples runs a dummy batch that counts nothing), so wrappers that communicate in
   forward (FSDP) never wait on a rank that has stopped.
@@ -65,8 +67,14 @@ class TrainLoop:
         # takes the median after warm-up, which leaves start-up and compilation out.
         self.step_times: list[float] = []
         self.step_cpu_times: list[float] = []  # CPU time of this process (all threads) per step
-        self.sampler = GlobalSampler(len(task.train_ds), env.world_size, env.rank, cfg.trainer.seed,
-                                     shuffle=True, drop_last=True, global_batch=plan.global_batch)
+        # data parallelism splits the batch; the ranks of a tensor-parallel group read the same
+        # samples, and only the first of them counts its loss sums (`counts`)
+        dims = plan.dims
+        self.dp, self.data_rank, self.counts = dims.dp, dims.data_rank(env.rank), \
+            dims.counts(env.rank)
+        self.sampler = GlobalSampler(len(task.train_ds), self.dp, self.data_rank,
+                                     cfg.trainer.seed, shuffle=True, drop_last=True,
+                                     global_batch=plan.global_batch)
         self.micro_batch = plan.micro_batch
         # checkpoint.record_samples: a pass-through that notes which samples each step took
         self.recorder = SampleRecorder(self.sampler) \
@@ -93,7 +101,7 @@ class TrainLoop:
         self.step = resumed.step
         epoch, done = divmod(self.step, self.steps_per_epoch)
         self.sampler.load_state_dict({"epoch": epoch, "seed": self.sampler.seed,
-                                      "position": done * self.global_batch // self.env.world_size})
+                                      "position": done * self.global_batch // self.dp})
         # the best evaluation so far is the same on every rank: any rank's copy will do
         self.best.load_state_dict((resumed.rank or resumed.loop["ranks"][0]).get("best", {}))
         if resumed.rank is not None:
@@ -152,7 +160,7 @@ class TrainLoop:
                 count += n
                 self.step += 1
                 if self.recorder is not None:  # every rank's sample ids of this step
-                    ids = env.gather_objects(self.recorder.pop())
+                    ids = env.gather_objects(self.recorder.pop() if self.counts else [])
                     slog.write({"step": self.step, "ids": sorted(i for r in ids for i in r)})
                 window.add(step_units)
                 self.units += step_units
@@ -215,8 +223,10 @@ class TrainLoop:
         if per_sample is not None:  # every sample counts the same: no need to ask the others
             global_units = float(self.global_batch * per_sample)
         else:  # padded rows: count the real tokens of the whole global batch first
-            global_units = float(env.all_reduce_sum([sum(map(self.task.count_units, micro))])[0])
-        scale = env.world_size / max(global_units, 1.0)
+            mine = sum(map(self.task.count_units, micro)) if self.counts else 0
+            global_units = float(env.all_reduce_sum([mine])[0])
+        # the data-parallel mean of the gradients undoes the `* dp`
+        scale = self.dp / max(global_units, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         units = 0
         for i, mb in enumerate(micro):
@@ -250,6 +260,8 @@ class TrainLoop:
         if self.grads_bytes is None:
             self.grads_bytes = local_bytes(p.grad for p in model.parameters())
         self.optimizer.zero_grad(set_to_none=True)
+        if not self.counts:  # a tensor-parallel peer: the group's first rank counts these
+            loss_sum, units = torch.zeros(()), 0
         return float(loss_sum), float(units), float(norm), global_units
 
     def _loss(self, mb: Any) -> tuple[torch.Tensor, int]:
@@ -280,9 +292,9 @@ class TrainLoop:
             n = min(n, tr.eval_samples)
         if n == 0:
             return None
-        mine = list(EvalSampler(n, env.world_size, env.rank))
+        mine = list(EvalSampler(n, self.dp, self.data_rank))
         b = self.micro_batch
-        n_batches = math.ceil(math.ceil(n / env.world_size) / b)  # the same on every rank
+        n_batches = math.ceil(math.ceil(n / self.dp) / b)  # the same on every rank
         was_training = self.model.training
         self.model.eval()
         total = count = 0.0
@@ -295,14 +307,15 @@ class TrainLoop:
             if idx:
                 s, c, counts = self._eval_batch(collate([self.val_ds[j] for j in idx]))
                 for key, value in counts.items():
-                    extra[key] = extra.get(key, 0.0) + float(value)
+                    extra[key] = extra.get(key, 0.0) + (float(value) if self.counts else 0.0)
             else:  # out of samples: keep step with the other ranks, count nothing
                 _, _, counts = self._eval_batch(collate([self.val_ds[0]]))
                 for key in counts:  # the same keys on every rank, for the sum below
                     extra.setdefault(key, 0.0)
                 s, c = 0.0, 0
-            total += float(s)
-            count += c
+            if self.counts:  # a tensor-parallel peer computed the same sums: counted once
+                total += float(s)
+                count += c
             bar.update(1)
         bar.close()
         self.model.train(was_training)
