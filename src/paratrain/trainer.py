@@ -22,6 +22,7 @@ from .errors import ConfigError, Interrupted
 from .launch import environment
 from .launch.nodes import join_nodes
 from .launch.preemption import requeue_slurm_job
+from .parallel.dims import check_tensor_parallel
 from .parallel.strategies import processes_per_node
 from .records.console import log
 from .runplan import RunPlan, auto_choice, check_elastic_batch, make_plan
@@ -155,6 +156,8 @@ class Trainer:
             if note:
                 log(DistEnv(), note)
         nproc = processes_per_node(cfg.trainer.strategy, len(devices))
+        check_tensor_parallel(cfg.trainer.tensor_parallel, world=nproc * d.min_nodes,
+                              local_world=nproc, shard_group=cfg.trainer.shard_group_size)
         if d.elastic:  # every world size the range allows must give the same global batch
             check_elastic_batch(cfg.trainer.batch_size, cfg.trainer.global_batch_size, nproc,
                                 d.min_nodes, d.max_nodes)

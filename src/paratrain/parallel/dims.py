@@ -78,7 +78,13 @@ class ParallelDims:
         it once, and every parallel piece slices this one mesh (FSDP requires the data and tensor
         meshes to share a root)."""
         from torch.distributed.device_mesh import init_device_mesh
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_NAMES)
+        mesh = init_device_mesh(mesh_device_type(device_type), self.shape,
+                                mesh_dim_names=MESH_NAMES)
+        if self.tp > 1:
+            # A value partial over both (a gradient norm under FSDP x TP) is then reduced in one
+            # all-reduce instead of one per dimension: DTensor uses a flattened mesh it finds.
+            mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+        return mesh
 
     @property
     def label(self) -> str:
@@ -88,6 +94,12 @@ class ParallelDims:
 
     def to_dict(self) -> dict:
         return dict(zip(MESH_NAMES, self.shape))
+
+
+def mesh_device_type(device_type: str) -> str:
+    """The device type a mesh is built for: a model on the meta device (the plan's simulation,
+    parallel/simulate.py) meets its collectives on a CPU group (torch's fake one there)."""
+    return "cpu" if device_type == "meta" else device_type
 
 
 def check_tensor_parallel(tp: int, *, world: int, local_world: int,

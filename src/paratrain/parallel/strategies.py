@@ -22,7 +22,7 @@ from torch import nn
 
 from ..dist import DistEnv
 from ..errors import ConfigError
-from .dims import ParallelDims
+from .dims import ParallelDims, mesh_device_type
 from .precision import mixed_dtype
 
 
@@ -167,7 +167,7 @@ class FSDP(Parallelism):
 
     def mesh(self, env: DistEnv) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
-        return init_device_mesh(env.device.type, (env.world_size,))
+        return init_device_mesh(mesh_device_type(env.device.type), (env.world_size,))
 
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
              units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
@@ -244,7 +244,7 @@ class HSDP(FSDP):
     def mesh(self, env: DistEnv) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
         group = self.shard_group_size
-        return init_device_mesh(env.device.type, (env.world_size // group, group),
+        return init_device_mesh(mesh_device_type(env.device.type), (env.world_size // group, group),
                                 mesh_dim_names=("replicate", "shard"))
 
     def state_numel(self, shape: torch.Size, world: int, rank: int = 0) -> int:

@@ -20,6 +20,7 @@ Order, as torchtitan composes them: TP -> activation checkpointing -> compile ->
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ContextManager, Iterator, Optional, Sequence
@@ -62,6 +63,10 @@ class TensorParallel(Parallelism):
 
     def split(self, model: nn.Module, mesh: Any) -> None:
         apply_tensor_parallel(model, mesh["tp"])
+        # The logits come out of the gathered head as a view of the DTensor's local tensor;
+        # FSDP2 warns about any view a root returns, for in-place ops the loop never does.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view",
+                                category=UserWarning)
 
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
              units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
@@ -177,10 +182,11 @@ def check_tp_plan(task: Any, tp: int) -> None:
         model = task.build_model()
     if any(not p.requires_grad for p in model.parameters()):  # LoRA: see the README
         raise ConfigError(
-            f"trainer.tensor_parallel={tp} with frozen parameters (LoRA adapters on a frozen "
-            "base) is refused: peft wraps the projections the plan splits, so the adapters would "
-            "see a rank's slice as the whole layer; train LoRA with fsdp or ddp, or set "
-            "model.lora.r=0 to fine-tune every weight with tensor parallelism")
+            f"trainer.tensor_parallel={tp} with LoRA adapters is refused: peft replaces the "
+            "projections the model's plan splits with adapter wrappers, which would need a plan "
+            "of their own (A whole and B by columns beside a column-split layer, A by rows "
+            "beside a row-split one); train LoRA with trainer.tensor_parallel=1 (fsdp shards "
+            "the frozen base), or full fine-tuning (model.lora.r=0) with tensor parallelism")
     tp_plan_of(model)
     config = getattr(model, "config", None)  # a Hugging Face model's own head counts
     if config is not None:
