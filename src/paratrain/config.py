@@ -52,7 +52,7 @@ class ModelConfig:
     max_seq_length: Optional[int] = None  # default: data.seq_length
     tie_embeddings: Optional[bool] = None
     dropout: float = 0.0
-    rope_theta: float = 10000.0
+    rope_theta: Optional[float] = None  # RoPE base; null: the preset's, else 10000
     norm_eps: float = 1e-5
     lora: LoraConfig = field(default_factory=LoraConfig)  # hf models: adapters instead of weights
 

@@ -122,3 +122,20 @@ def test_hf_llama_split_by_its_own_plan_is_one_process(tmp_path, corpus_dir, cac
     assert got.keys() == want.keys()  # a from_pretrained folder with the full tensors
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_the_simulation_holds_what_the_four_process_runs_held(request):
+    """`paratrain plan` of the same config at the same world (1 node x 4), simulated on the meta
+    device: rank 0's parameter, gradient and optimizer bytes equal what the real FSDP x TP and
+    DDP runs measured on their rank 0 (summary.json)."""
+    from paratrain import TrainConfig
+    from paratrain.parallel.simulate import plan_at_scale
+    fsdp_tp, ddp = _ref(request, **FSDP_TP), _ref(request, **DDP4)
+    cfg = TrainConfig.from_yaml(fsdp_tp / "config.yaml", ["plan.device_memory_gb=1"])
+    rows, target, _, _ = plan_at_scale(cfg)
+    assert target.world == 4
+    by = {r.label: r for r in rows}
+    for label, run in (("fsdp+tp2", fsdp_tp), ("ddp", ddp)):
+        real = read_summary(run)["memory"][0]
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert getattr(by[label], key) == real[key], (label, key)
