@@ -139,3 +139,29 @@ def test_the_simulation_holds_what_the_four_process_runs_held(request):
         real = read_summary(run)["memory"][0]
         for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
             assert getattr(by[label], key) == real[key], (label, key)
+
+
+def test_two_nodes_with_tp_inside_and_hsdp_across_are_ddp_on_four(request, tmp_path):
+    """Two `paratrain train` commands on 127.0.0.1 as two nodes of 2 processes: TP=2 inside
+    each node, HSDP across (replicas on the nodes; shard groups of one TP group each), against
+    DDP on 4 processes of one node, the same global batch: within 1e-5."""
+    from paratrain.launch.environment import free_port
+    from tests.distributed.test_multinode import finish, start
+    ddp = _ref(request, **DDP4)
+    port = free_port()
+    procs = [start(args_for(request.getfixturevalue("corpus_dir"),
+                            request.getfixturevalue("cache_dir"), "nodes", **{
+                                "trainer.devices": "cpu:2", "trainer.batch_size": 2,
+                                "trainer.strategy": "hsdp", "trainer.tensor_parallel": 2,
+                                "distributed.nnodes": 2, "distributed.node_rank": rank,
+                                "distributed.master_addr": "127.0.0.1",
+                                "distributed.master_port": port}), tmp_path / f"node{rank}")
+             for rank in (0, 1)]
+    results = finish(procs, timeout=600)
+    for rc, _, err in results:
+        assert rc == 0, err[-3000:]
+    run = tmp_path / "node0" / "runs" / "nodes"
+    summary = read_summary(run)
+    assert summary["strategy"] == "hsdp+tp" and summary["nnodes"] == 2
+    assert summary["parallel_dims"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
+    assert_same_run(run, ddp)

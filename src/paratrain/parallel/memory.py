@@ -65,9 +65,9 @@ def _storage_ptr(t: torch.Tensor) -> Optional[int]:
     (resized to nothing) between uses."""
     try:
         storage = t.untyped_storage()
+        return storage._cdata if t.device.type == "meta" else storage.data_ptr()
     except RuntimeError:
         return None
-    return storage._cdata if t.device.type == "meta" else storage.data_ptr()
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -88,9 +88,13 @@ class Workload:
     vocab_size: int
     seq_length: int
     micro_batch: int
-    accum: int
+    global_batch: Optional[int]  # trainer.global_batch_size: accumulation depends on the layout
     precision: str
     reshard_after_forward: bool = True
+
+    def accum(self, dp: int) -> int:
+        """Micro-steps per optimizer step with `dp` data-parallel groups (at least one)."""
+        return max(1, (self.global_batch or 0) // (self.micro_batch * dp))
 
 
 def candidates(target: Target, *, heads: int, kv_heads: int, requested: str, tp: int,
@@ -136,9 +140,10 @@ def simulate(work: Workload, target: Target,
             activations[key] = _linear(work, lambda blocks: _activations(
                 work, blocks, parallelism if dims.tp > 1 else None, target, ac))
         act = activations[key]
-        sent = _data_parallel_traffic(work, parallelism, state, target.world)
+        accum = work.accum(dims.dp)
+        sent = _data_parallel_traffic(work, parallelism, state, target.world, accum)
         for name, count in act["sent"].items():  # tensor parallel: per micro-step
-            sent.setdefault("tp", {})[name] = count * work.accum
+            sent.setdefault("tp", {})[name] = count * accum
         activation_bytes = int(act["saved"])
         gathered = 2 * int(act["block_numel"]) * _param_bytes(work.precision) \
             if parallelism.sharded else 0  # FSDP: this block's full parameters and the next's
@@ -281,7 +286,7 @@ def _param_bytes(precision: str) -> int:
 
 
 def _data_parallel_traffic(work: Workload, parallelism: Parallelism, state: dict,
-                           world: int) -> dict:
+                           world: int, accum: int) -> dict:
     """{mesh dimension: {collective: bytes}} per optimizer step of the data-parallel part, from
     rank 0's shard sizes: FSDP gathers every unit in each micro-step's forward, and the blocks
     again in backward when it frees them after forward (the root it keeps); gradients are
@@ -294,7 +299,7 @@ def _data_parallel_traffic(work: Workload, parallelism: Parallelism, state: dict
     if dims.dp_shard > 1:
         n = dims.dp_shard
         regathered = numel - root if work.reshard_after_forward else 0
-        out["dp_shard"] = {"all-gather": (n - 1) * (numel + regathered) * gather * work.accum,
+        out["dp_shard"] = {"all-gather": (n - 1) * (numel + regathered) * gather * accum,
                            "reduce-scatter": (n - 1) * numel * grad}
     if dims.dp_replicate > 1:
         n = dims.dp_replicate
@@ -318,18 +323,13 @@ def target_of(cfg: Any) -> Target:
 def plan_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
     """(rows, target, auto's pick, workload) for a TrainConfig with one of our models."""
     from ..models import build_model, resolve_model_config
-    from ..runplan import batch_plan
     target = target_of(cfg)
     tr = cfg.trainer
     args = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
                                 seq_length=cfg.data.seq_length)
-    accum = 1
-    if tr.global_batch_size is not None:  # the micro-batch and accumulation training would use
-        dims = (target.world // tr.tensor_parallel)
-        accum, _ = batch_plan(tr.batch_size, dims, tr.global_batch_size)
     work = Workload(lambda blocks: build_model(dataclasses.replace(args, num_layers=blocks)),
-                    args.num_layers, args.vocab_size, cfg.data.seq_length, tr.batch_size, accum,
-                    tr.precision, tr.reshard_after_forward)
+                    args.num_layers, args.vocab_size, cfg.data.seq_length, tr.batch_size,
+                    tr.global_batch_size, tr.precision, tr.reshard_after_forward)
     layouts = candidates(target, heads=args.num_heads, kv_heads=args.num_kv_heads,
                          requested=tr.strategy if tr.strategy != "single" else "ddp",
                          tp=tr.tensor_parallel, reshard_after_forward=tr.reshard_after_forward)
@@ -341,8 +341,9 @@ def format_simulation(rows: list[Simulated], target: Target, pick: Choice, work:
                       title: str) -> str:
     head = (f"{'layout':<16}{'mesh':<30}{'params':>10}{'grads':>10}{'optimizer':>11}"
             f"{'activations':>13}{'per device':>12}  fits  {'sent per step':>14}")
+    batch = f"global batch {work.global_batch}" if work.global_batch else "no accumulation"
     lines = [f"{title}: {target.label}; micro-batch {work.micro_batch} x {work.seq_length} "
-             f"tokens x {work.accum} accumulation, {work.precision}", head]
+             f"tokens ({batch}), {work.precision}", head]
     for r in rows:
         fits = "yes" if r.device_bytes <= target.capacity * MARGIN else "no"
         lines.append(f"{r.label + (' *' if r.asked else ''):<16}{r.dims:<30}"
