@@ -113,12 +113,19 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from .parallel.memory_plan import format_plan, plan_for_config
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)
-    rows, capacity, pick = plan_for_config(cfg, probe=_task_probe(cfg))
+    if at_scale(cfg):  # a target layout, or tensor parallelism: simulate the parallelized model
+        from .parallel.simulate import format_simulation, plan_at_scale
+        rows, target, pick, work = plan_at_scale(cfg)
+        capacity = target.capacity
+        text = format_simulation(rows, target, pick, work, cfg.model.preset or cfg.model.arch)
+    else:  # this machine: measure activations with a real forward on the CPU
+        rows, capacity, pick = plan_for_config(cfg, probe=_task_probe(cfg))
+        text = format_plan(rows, capacity, pick)
     if ns.json:
         print(json.dumps({"rows": [r.to_dict() for r in rows], "capacity_bytes": capacity,
                           "auto": {"strategy": pick.label, "why": pick.why}}, indent=2))
     else:
-        print(format_plan(rows, capacity, pick))
+        print(text)
     return 0
 
 
@@ -136,6 +143,13 @@ def _task_probe(cfg: "TrainConfig") -> Any:
         raise ConfigError(f"paratrain plan cannot measure data.format={cfg.data.format}'s model "
                           "yet (trainer.strategy=auto picks ddp for it)")
     return probe
+
+
+def at_scale(cfg) -> bool:
+    """Whether `paratrain plan` simulates (a plan.* target, or tensor parallelism)."""
+    p = cfg.plan
+    return bool(p.nodes or p.devices_per_node or p.device_memory_gb
+                or cfg.trainer.tensor_parallel > 1)
 
 
 def cmd_config_show(ns: argparse.Namespace) -> int:
@@ -241,7 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="memory per device for each strategy, and auto's pick",
                         description="Predict parameter, gradient, optimizer and activation bytes "
                                     "per device for single/ddp/fsdp/fsdp+ac/fsdp+offload at the "
-                                    "configured world size, precision, batch and sequence length.")
+                                    "configured world size, precision, batch and sequence length. "
+                                    "With plan.nodes / plan.devices_per_node / "
+                                    "plan.device_memory_gb (or trainer.tensor_parallel), simulate "
+                                    "that layout instead: the real parallelized model on the meta "
+                                    "device under a fake process group, tensor-parallel layouts "
+                                    "included, with the bytes each device sends per step.")
     pl.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.set_defaults(func=cmd_plan)
@@ -310,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="1 worker vs all workers, same per-device batch: weak-scaling efficiency")
     bp.add_argument("--rows", default=None,
                     help="comma-separated rows to run (default: all of "
-                         "single,dp,ddp,fsdp,fsdp+ac,plain)")
+                         "single,dp,ddp,fsdp,fsdp+ac,tp,fsdp+tp2,plain; tp: tensor parallel "
+                         "over every device)")
     bp.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     bp.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     bp.add_argument("--repeats", type=int, default=2, help="interleaved repeats (default 2)")

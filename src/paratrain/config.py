@@ -66,7 +66,7 @@ class ModelConfig:
     max_seq_length: Optional[int] = None  # default: data.seq_length
     tie_embeddings: Optional[bool] = None
     dropout: float = 0.0
-    rope_theta: float = 10000.0
+    rope_theta: Optional[float] = None  # RoPE base; null: the preset's, else 10000
     norm_eps: float = 1e-5
     init: str = "gpt2"  # llama / gpt: gpt2 (N(0, 0.02), scaled residual projections) | torch
     # (each layer's own default, as a model written with plain nn.Linear / nn.Embedding gets)
@@ -127,6 +127,7 @@ class TrainerConfig:
     cpu_offload: bool = False  # fsdp: keep parameters, gradients and optimizer state in RAM
     reshard_after_forward: bool = True  # fsdp: free full parameters after forward (less memory)
     shard_group_size: Optional[int] = None  # hsdp: ranks per shard group (null: those of a node)
+    tensor_parallel: int = 1  # processes of a node that split each layer's matrices (1: off)
     progress_bar: bool = True
     early_stopping_patience: Optional[int] = None  # stop after N evaluations without improvement
     early_stopping_threshold: float = 0.0  # an improvement lowers the validation loss by more
@@ -229,6 +230,14 @@ class LogConfig:
 
 
 @dataclass
+class PlanConfig:
+    """`paratrain plan`'s target layout, simulated without processes (null: this machine's)."""
+    nodes: Optional[int] = None  # nodes in the job
+    devices_per_node: Optional[int] = None  # processes (GPUs) per node
+    device_memory_gb: Optional[float] = None  # memory of one device, GB (10^9 bytes)
+
+
+@dataclass
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -239,6 +248,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

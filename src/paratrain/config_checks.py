@@ -201,6 +201,7 @@ def validate(cfg: Any) -> None:
     for key, value in optional_positive.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{key}={value} must be positive (or null for the default)")
+    _check_tensor_parallel(cfg)
     if cfg.trainer.shard_group_size is not None and cfg.trainer.strategy not in ("hsdp", "auto"):
         raise ConfigError(f"trainer.shard_group_size sizes hsdp's shard groups; it does not "
                           f"apply to trainer.strategy={cfg.trainer.strategy} (use hsdp, or "
@@ -249,8 +250,28 @@ def validate(cfg: Any) -> None:
             _check_hf_corpus_tokenizer(cfg)
         return
     # Model shape checks need the preset applied; models.presets does them (ConfigError too).
-    resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
-                         seq_length=cfg.data.seq_length)
+    args = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
+                                seq_length=cfg.data.seq_length)
+    check_tp_heads(cfg.trainer.tensor_parallel, args.num_heads, args.num_kv_heads)
+
+
+def _check_tensor_parallel(cfg: Any) -> None:
+    """trainer.tensor_parallel and the `plan.*` target layout (the processes' side is checked
+    with the devices, in parallel/dims.py; the heads' with the model's shape)."""
+    tr, pl = cfg.trainer, cfg.plan
+    if tr.tensor_parallel < 1:
+        raise ConfigError(f"trainer.tensor_parallel={tr.tensor_parallel} must be >= 1 (1: off)")
+    if tr.tensor_parallel > 1 and tr.strategy == "dp":
+        raise ConfigError("trainer.strategy=dp (nn.DataParallel, one process) cannot be combined "
+                          f"with trainer.tensor_parallel={tr.tensor_parallel}, which splits layers "
+                          "over processes; use trainer.strategy=fsdp or ddp")
+    if tr.tensor_parallel > 1 and tr.cpu_offload:
+        raise ConfigError("trainer.cpu_offload=true is not supported with "
+                          f"trainer.tensor_parallel={tr.tensor_parallel}; set one of them off")
+    for key in ("nodes", "devices_per_node", "device_memory_gb"):
+        value = getattr(pl, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"plan.{key}={value} must be positive (or null: this machine's)")
 
 
 def _check_optim(o: Any) -> None:
@@ -405,6 +426,21 @@ def _check_hf_corpus_tokenizer(cfg: Any) -> None:
                 f"than model.path's embeddings hold (vocab_size={model_vocab} in its "
                 "config.json); lower data.vocab_size, or leave data.tokenizer unset to use the "
                 "model's own tokenizer")
+
+
+def check_tp_heads(tp: int, heads: Optional[int], kv_heads: Optional[int],
+                   where: str = "model") -> None:
+    """Under tensor parallelism each rank computes whole attention heads (and whole key/value
+    heads): `trainer.tensor_parallel` must divide both counts."""
+    if tp <= 1:
+        return
+    for name, count in (("num_heads", heads), ("num_kv_heads", kv_heads)):
+        if count is not None and count % tp:
+            fits = [d for d in range(1, count + 1) if count % d == 0 and
+                    (heads is None or heads % d == 0) and (kv_heads is None or kv_heads % d == 0)]
+            raise ConfigError(f"trainer.tensor_parallel={tp} does not divide {where}.{name}="
+                              f"{count} (each rank computes whole heads); use one of "
+                              f"{', '.join(map(str, fits))}")
 
 
 def _choice(key: str, value: str, allowed: Sequence[str]) -> None:

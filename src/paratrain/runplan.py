@@ -17,8 +17,10 @@ import torch
 
 from .config import TrainConfig
 from .errors import ConfigError, DataError
+from .parallel.dims import ParallelDims
 from .parallel.memory_plan import Choice, choose, device_capacity, estimate
 from .parallel.strategies import Parallelism, resolve_parallelism
+from .parallel.tensor import check_tp_plan, resolve_tensor_parallel
 from .tasks.base import Task
 
 
@@ -31,6 +33,7 @@ class RunPlan:
     local_world_size: int  # processes on this node
     parallelism: Parallelism
     parallelism_reason: str  # why this one: logged, and `strategy_reason` in summary.json
+    dims: ParallelDims  # how the world is factored (data-replicate x data-shard x tensor)
     activation_checkpointing: bool
     precision: str
     micro_batch: int  # samples per process per micro-step (x GPUs under nn.DataParallel)
@@ -56,22 +59,31 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     from .records import loggers
     tr = cfg.trainer
     devices = list(devices)
-    parallelism, why = resolve_parallelism(
-        tr.strategy, world_size=world_size, local_world_size=local_world_size,
-        device=devices[0], cpu_offload=tr.cpu_offload,
-        reshard_after_forward=tr.reshard_after_forward, shard_group_size=tr.shard_group_size,
-        planned=(choice.parallelism, choice.why) if choice is not None else None)
+    if tr.tensor_parallel > 1:
+        parallelism, why = resolve_tensor_parallel(
+            tr.strategy, tr.tensor_parallel, world_size=world_size,
+            local_world_size=local_world_size, device=devices[0],
+            reshard_after_forward=tr.reshard_after_forward, shard_group_size=tr.shard_group_size)
+        check_tp_plan(task, tr.tensor_parallel)
+    else:
+        parallelism, why = resolve_parallelism(
+            tr.strategy, world_size=world_size, local_world_size=local_world_size,
+            device=devices[0], cpu_offload=tr.cpu_offload,
+            reshard_after_forward=tr.reshard_after_forward, shard_group_size=tr.shard_group_size,
+            planned=(choice.parallelism, choice.why) if choice is not None else None)
+    dims = parallelism.layout(world_size)
     check_precision(tr.precision, devices[0])
     loggers.check_log_config(cfg.log)  # log.wandb=true without wandb: say so now
     replicas = parallelism.replicas_per_process(len(devices))
-    accum, global_batch = batch_plan(tr.batch_size, world_size * replicas, tr.global_batch_size)
+    # the ranks of a tensor-parallel group read the same samples: the batch is split dp ways
+    accum, global_batch = batch_plan(tr.batch_size, dims.dp * replicas, tr.global_batch_size)
     per_epoch = steps_per_epoch(len(task.train_ds), global_batch, task, cfg.data.drop_last)
     ranks_here = ranks_on_host or local_world_size
     return RunPlan(
         cfg=cfg, devices=tuple(str(d) for d in devices),
         nnodes=max(1, world_size // local_world_size),
         world_size=world_size, local_world_size=local_world_size, parallelism=parallelism,
-        parallelism_reason=why,
+        parallelism_reason=why, dims=dims,
         activation_checkpointing=tr.activation_checkpointing or bool(
             choice is not None and choice.activation_checkpointing),
         precision=tr.precision, micro_batch=tr.batch_size * replicas, accum=accum,
@@ -87,7 +99,8 @@ def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.
     process decides and the others follow: device capacities differ a little between ranks."""
     tr = cfg.trainer
     probe = task.memory_probe()
-    if tr.strategy != "auto" or world_size == 1 or tr.cpu_offload or probe is None:
+    if tr.strategy != "auto" or world_size == 1 or tr.cpu_offload or probe is None \
+            or tr.tensor_parallel > 1:  # auto with tensor parallelism is fsdp (tensor.py)
         return None
     rows = estimate(probe.build_model, world=world_size, precision=tr.precision,
                     micro_batch=tr.batch_size, seq_length=probe.seq_length,

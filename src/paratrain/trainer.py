@@ -23,6 +23,7 @@ from .launch import environment
 from .launch.nodes import join_nodes
 from .launch.preemption import requeue_slurm_job
 from .launch.worker import exit_after_result, own_session
+from .parallel.dims import check_tensor_parallel
 from .parallel.strategies import processes_per_node
 from .records.console import log
 from .records.timeline import Timeline
@@ -177,6 +178,8 @@ class Trainer:
             if note:
                 log(DistEnv(), note)
         nproc = processes_per_node(cfg.trainer.strategy, len(devices))
+        check_tensor_parallel(cfg.trainer.tensor_parallel, world=nproc * d.min_nodes,
+                              local_world=nproc, shard_group=cfg.trainer.shard_group_size)
         if d.elastic:  # every world size the range allows must give the same global batch
             check_elastic_batch(cfg.trainer.batch_size, cfg.trainer.global_batch_size, nproc,
                                 d.min_nodes, d.max_nodes)

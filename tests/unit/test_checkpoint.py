@@ -55,7 +55,7 @@ def _step(model, opt, sched, g: torch.Generator) -> float:
 def _plan(cfg, steps_per_epoch: int = 100, total_steps: int = 20) -> RunPlan:
     return RunPlan(cfg=cfg, devices=("cpu",), nnodes=1, world_size=1, local_world_size=1,
                    parallelism=Parallelism(), parallelism_reason="one process",
-                   activation_checkpointing=False, precision="fp32", micro_batch=2, accum=1,
+                   dims=Parallelism().layout(1), activation_checkpointing=False, precision="fp32", micro_batch=2, accum=1,
                    global_batch=2, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
                    cpu_threads=1)
 

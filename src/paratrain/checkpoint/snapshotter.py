@@ -256,9 +256,10 @@ class Snapshotter:
         (LoRA's base) never change and are rebuilt from model.path on resume, so they are left
         out: a snapshot holds what training changes."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
+        from ..parallel.tensor import storable
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
                                             options=self._state_options())
-        return {"model": model_sd, "optim": optim_sd}
+        return storable({"model": model_sd, "optim": optim_sd})
 
     def _state_options(self) -> Any:
         """Trainable parameters only (and buffers) when some are frozen; then loading is not

@@ -21,21 +21,24 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.n_heads, self.head_dim = args.num_heads, args.head_dim
+        self.head_dim = args.head_dim
         self.c_attn = nn.Linear(args.hidden_size, 3 * args.hidden_size)
         self.c_proj = nn.Linear(args.hidden_size, args.hidden_size)
         self.dropout = args.dropout
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        B, T, C = x.shape  # (B, T, C)
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        B, T = x.shape[:2]  # (B, T, C)
+        # chunk, and heads counted from the output: under tensor parallelism a rank holds its
+        # heads' rows of each of q, k and v (parallel/tensor.py shards c_attn in three strides)
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # 3 x (B, T, H*D)
+        D = self.head_dim
+        q = q.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                            is_causal=mask is None)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.c_proj(y)
 
 

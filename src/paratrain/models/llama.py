@@ -78,7 +78,6 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.n_heads, self.n_kv_heads = args.num_heads, args.num_kv_heads
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=False)
@@ -88,19 +87,22 @@ class Attention(nn.Module):
         self.dropout = args.dropout
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        B, T, _ = x.shape  # (B, T, C)
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        B, T = x.shape[:2]  # (B, T, C)
+        # Heads are counted from the projections' output, not the config: under tensor
+        # parallelism a rank holds H/tp query and KV/tp key/value heads (its slice of wq, wk, wv).
+        D = self.head_dim
+        q = self.wq(x).view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
+        v = self.wv(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
         q, k = self.rotary(q), self.rotary(k)
-        rep = self.n_heads // self.n_kv_heads
+        rep = q.size(1) // k.size(1)
         if rep > 1:  # every query head in a group reads the same k/v head
             k = k.repeat_interleave(rep, dim=1)  # (B, H, T, D)
             v = v.repeat_interleave(rep, dim=1)  # (B, H, T, D)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                            is_causal=mask is None)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.wo(y)
 
 

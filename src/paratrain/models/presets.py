@@ -14,7 +14,8 @@ from ..errors import ConfigError
 ARCHS = ("llama", "gpt")
 
 # Sizes only. vocab_size comes from the tokenizer and max_seq_length from data.seq_length, so
-# a preset is a shape, not a checkpoint. num_kv_heads applies to llama only (gpt has no GQA);
+# a preset is a shape, not a checkpoint (the llama3-* presets, published shapes, carry their
+# vocabulary and RoPE base too). num_kv_heads applies to llama only (gpt has no GQA);
 # intermediate_size is derived from hidden_size per arch unless set (see _default_intermediate).
 # Parameter counts below are llama with untied embeddings (gpt ties its head: fewer).
 PRESETS: dict[str, dict] = {
@@ -29,6 +30,15 @@ PRESETS: dict[str, dict] = {
     "base": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12),
     # GPT-2-medium-like: ~345M params at vocab 32000
     "large": dict(hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=8),
+    # Meta's Llama 3 / 3.1 shapes as published (model cards, params.json): for `paratrain plan`
+    # at scale; their vocabulary and RoPE base are part of the shape (a smaller tokenizer's ids
+    # fit in the embeddings; the rest go unused)
+    "llama3-8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                      intermediate_size=14336, vocab_size=128256, rope_theta=500000.0),
+    "llama3-70b": dict(hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                       intermediate_size=28672, vocab_size=128256, rope_theta=500000.0),
+    "llama3-405b": dict(hidden_size=16384, num_layers=126, num_heads=128, num_kv_heads=8,
+                        intermediate_size=53248, vocab_size=128256, rope_theta=500000.0),
 }
 
 _SIZE_KEYS = ("hidden_size", "num_layers", "num_heads")
@@ -79,8 +89,9 @@ def resolve_model_config(mc: Any, vocab_size: int, seq_length: int) -> ModelArgs
     """Preset fills what the user left unset; explicit keys win; then the shape is checked. `mc`
     is the model.* section (config.ModelConfig), read by attribute: this module sits below config.
 
-    `vocab_size` is the tokenizer's (mc.vocab_size overrides it, e.g. to pad to a multiple
-    of 64); `seq_length` is data.seq_length, the default and the minimum max_seq_length.
+    `vocab_size` is the tokenizer's (mc.vocab_size overrides it, e.g. to pad to a multiple of
+    64, and so does a preset that carries its own); `seq_length` is data.seq_length, the
+    default and the minimum max_seq_length.
     """
     arch = mc.arch
     if arch not in ARCHS:
@@ -93,7 +104,7 @@ def resolve_model_config(mc: Any, vocab_size: int, seq_length: int) -> ModelArgs
         preset = PRESETS[mc.preset]
     source: dict[str, str] = {}  # key -> where its value came from, for error messages
 
-    def pick(key: str) -> Optional[int]:
+    def pick(key: str) -> Any:
         value = getattr(mc, key)
         if value is not None:
             return value
@@ -121,11 +132,12 @@ def resolve_model_config(mc: Any, vocab_size: int, seq_length: int) -> ModelArgs
         if kv_heads is None:
             kv_heads = heads
 
-    intermediate = mc.intermediate_size
+    intermediate = pick("intermediate_size")
     if intermediate is None:
         intermediate = _default_intermediate(arch, hidden)
     tie = mc.tie_embeddings if mc.tie_embeddings is not None else (arch == "gpt")
-    vocab = mc.vocab_size if mc.vocab_size is not None else vocab_size
+    vocab = pick("vocab_size") or vocab_size
+    rope_theta = pick("rope_theta") or 10000.0
     max_seq = mc.max_seq_length if mc.max_seq_length is not None else seq_length
     if max_seq < seq_length:
         raise ConfigError(f"model.max_seq_length={max_seq} is shorter than data.seq_length="
@@ -134,7 +146,7 @@ def resolve_model_config(mc: Any, vocab_size: int, seq_length: int) -> ModelArgs
     args = ModelArgs(arch=arch, hidden_size=hidden, num_layers=sizes["num_layers"],
                      num_heads=heads, num_kv_heads=kv_heads, intermediate_size=intermediate,
                      vocab_size=vocab, max_seq_length=max_seq, tie_embeddings=bool(tie),
-                     dropout=float(mc.dropout), rope_theta=float(mc.rope_theta),
+                     dropout=float(mc.dropout), rope_theta=float(rope_theta),
                      norm_eps=float(mc.norm_eps))
     validate_args(args, source)
     return args

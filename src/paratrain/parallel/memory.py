@@ -32,12 +32,12 @@ class SavedTensorMeter:
     parameters."""
 
     def __init__(self, model: nn.Module):
-        self._params = {_storage_ptr(p) for p in model.parameters() if p.device.type != "meta"}
+        self._params = {_storage_ptr(_local(p)) for p in model.parameters()}
         self._seen: dict[int, int] = {}
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = _local(t)
         ptr = _storage_ptr(local)
         if ptr is not None and ptr not in self._params and not isinstance(t, nn.Parameter):
             self._seen[ptr] = local.untyped_storage().nbytes()
@@ -55,10 +55,17 @@ class SavedTensorMeter:
         self._ctx.__exit__(*exc)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _storage_ptr(t: torch.Tensor) -> Optional[int]:
-    """None for storages that FSDP has freed (resized to nothing) between uses."""
+    """What identifies a storage: its address, or on the meta device (the plan's simulation),
+    where every address is 0, the storage object itself. None for storages that FSDP has freed
+    (resized to nothing) between uses."""
     try:
-        return t.untyped_storage().data_ptr()
+        storage = t.untyped_storage()
+        return storage._cdata if t.device.type == "meta" else storage.data_ptr()
     except RuntimeError:
         return None
 

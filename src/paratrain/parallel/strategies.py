@@ -22,6 +22,7 @@ from torch import nn
 
 from ..dist import DistEnv
 from ..errors import ConfigError
+from .dims import ParallelDims, mesh_device_type
 from .precision import mixed_dtype
 
 
@@ -31,8 +32,17 @@ class Parallelism:
     name: ClassVar[str] = "single"
     sharded: ClassVar[bool] = False  # parameters, gradients and optimizer state split by rank
 
+    def device_mesh(self, env: DistEnv) -> Any:
+        """The DeviceMesh that `split` and `wrap` share, built once per model (None: the
+        parallelism needs none, or builds its own inside `wrap`). Collective."""
+        return None
+
+    def split(self, model: nn.Module, mesh: Any) -> None:
+        """Split layers across devices before anything else wraps them (tensor parallelism,
+        parallel/tensor.py); data parallelism splits nothing."""
+
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
-             units: Sequence[nn.Module]) -> nn.Module:
+             units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         """The model, wrapped for this parallelism (`units`: the blocks a sharding wraps)."""
         return model
 
@@ -41,7 +51,7 @@ class Parallelism:
         return model
 
     def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
-                    units: Sequence[nn.Module]) -> nn.Module:
+                    units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         """A model run but never trained (a reference, a teacher): it has no gradients to sync,
         so replicating strategies keep a plain copy per rank; sharding ones shard it too."""
         return model
@@ -84,6 +94,10 @@ class Parallelism:
         """Elements of a parameter of this shape that `rank` holds (and grads, optimizer)."""
         return math.prod(shape)
 
+    def layout(self, world: int) -> ParallelDims:
+        """How `world` processes are factored under this parallelism (parallel/dims.py)."""
+        return ParallelDims()
+
     @property
     def label(self) -> str:
         return self.name
@@ -96,7 +110,7 @@ class DataParallel(Parallelism):
     name: ClassVar[str] = "dp"
 
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
-             units: Sequence[nn.Module]) -> nn.Module:
+             units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         return nn.DataParallel(model, device_ids=list(range(torch.cuda.device_count())),
                                output_device=env.device)
 
@@ -104,7 +118,7 @@ class DataParallel(Parallelism):
         return model.module if isinstance(model, nn.DataParallel) else model
 
     def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
-                    units: Sequence[nn.Module]) -> nn.Module:
+                    units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         return self.wrap(model, env, precision=precision, units=units)  # its batch is split too
 
     def replicas_per_process(self, devices: int) -> int:
@@ -117,7 +131,7 @@ class DDP(Parallelism):
     name: ClassVar[str] = "ddp"
 
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
-             units: Sequence[nn.Module]) -> nn.Module:
+             units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
         # Our only buffers are constants (RoPE tables): broadcasting them every step is pure
         # cost, and a broadcast inside forward would deadlock evaluation on uneven shards.
@@ -133,6 +147,9 @@ class DDP(Parallelism):
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         return model.no_sync()  # type: ignore[operator]
+
+    def layout(self, world: int) -> ParallelDims:
+        return ParallelDims(dp_replicate=world)
 
 
 @dataclass(frozen=True)
@@ -150,12 +167,13 @@ class FSDP(Parallelism):
 
     def mesh(self, env: DistEnv) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
-        return init_device_mesh(env.device.type, (env.world_size,))
+        return init_device_mesh(mesh_device_type(env.device.type), (env.world_size,))
 
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
-             units: Sequence[nn.Module]) -> nn.Module:
+             units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        kwargs: dict = {"mesh": self.mesh(env), "reshard_after_forward": self.reshard_after_forward}
+        kwargs: dict = {"mesh": mesh if mesh is not None else self.mesh(env),
+                        "reshard_after_forward": self.reshard_after_forward}
         param_dtype = mixed_dtype(precision)
         if param_dtype is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
@@ -169,7 +187,7 @@ class FSDP(Parallelism):
         return model
 
     def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
-                    units: Sequence[nn.Module]) -> nn.Module:
+                    units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         return self.wrap(model, env, precision=precision, units=units)
 
     @contextlib.contextmanager
@@ -203,6 +221,9 @@ class FSDP(Parallelism):
     def offloads_to_host(self) -> bool:
         return self.cpu_offload
 
+    def layout(self, world: int) -> ParallelDims:
+        return ParallelDims(dp_shard=world)
+
     @property
     def label(self) -> str:
         return f"{self.name}+offload" if self.cpu_offload else self.name
@@ -223,13 +244,17 @@ class HSDP(FSDP):
     def mesh(self, env: DistEnv) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
         group = self.shard_group_size
-        return init_device_mesh(env.device.type, (env.world_size // group, group),
+        return init_device_mesh(mesh_device_type(env.device.type), (env.world_size // group, group),
                                 mesh_dim_names=("replicate", "shard"))
 
     def state_numel(self, shape: torch.Size, world: int, rank: int = 0) -> int:
         """FSDP's split over the shard group; the replicas hold the same shards."""
         group = self.shard_group_size
         return super().state_numel(shape, group, rank % group)
+
+    def layout(self, world: int) -> ParallelDims:
+        return ParallelDims(dp_replicate=world // self.shard_group_size,
+                            dp_shard=self.shard_group_size)
 
 
 def shard_group(world_size: int, local_world_size: int, override: Optional[int]) -> int:
@@ -297,15 +322,19 @@ def processes_per_node(requested: str, devices: int) -> int:
 def parallelize(model: nn.Module, parallelism: Parallelism, env: DistEnv, *, precision: str,
                 activation_checkpointing: bool = False, compile: bool = False,
                 wrap: Sequence[type] = ()) -> nn.Module:
-    """Activation checkpointing -> compile -> the data-parallel wrapper, in that order (the
-    wrapper must see the final modules)."""
+    """Tensor parallelism -> activation checkpointing -> compile -> the data-parallel wrapper,
+    in that order (torchtitan's): each step must see the modules the one before made, and the
+    wrapper the final ones."""
     if not parallelism.offloads_to_host:
         model.to(env.device)
+    mesh = parallelism.device_mesh(env)
+    parallelism.split(model, mesh)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
-    return parallelism.wrap(model, env, precision=precision, units=shard_units(model, wrap))
+    return parallelism.wrap(model, env, precision=precision, units=shard_units(model, wrap),
+                            mesh=mesh)
 
 
 def parallelize_frozen(model: nn.Module, parallelism: Parallelism, env: DistEnv, *,
@@ -316,8 +345,10 @@ def parallelize_frozen(model: nn.Module, parallelism: Parallelism, env: DistEnv,
     model.eval()
     if not parallelism.offloads_to_host:
         model.to(env.device)
+    mesh = parallelism.device_mesh(env)
+    parallelism.split(model, mesh)
     return parallelism.wrap_frozen(model, env, precision=precision,
-                                   units=shard_units(model, wrap))
+                                   units=shard_units(model, wrap), mesh=mesh)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

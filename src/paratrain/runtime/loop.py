@@ -2,8 +2,10 @@
 
 - Every global batch is the same set of samples whatever the world size (GlobalSampler).
 - The loss is a token-weighted mean over all ranks and micro-steps: each micro-step backpropagates
-  sum(token losses) * world / (tokens in the global batch), and the data-parallel gradient mean
-  over ranks undoes the `* world`, so the gradient does not depend on how the batch was split.
+  sum(token losses) * dp / (tokens in the global batch), and the data-parallel gradient mean
+  over the dp ranks undoes the `* dp`, so the gradient does not depend on how the batch was split.
+  (dp is the world size unless tensor parallelism makes groups of ranks share one batch: then
+  the plan's ParallelDims says which slice a rank reads and whether its sums count.)
 - Validation visits every sample exactly once, and every rank runs the same number of batches
   (a rank out of samples runs a dummy batch that counts nothing), so wrappers that communicate in
   forward (FSDP) never wait on a rank that has stopped.
@@ -66,8 +68,14 @@ class TrainLoop:
         self.step_times: list[float] = []
         self.first_step_at = self.last_step_at = 0.0  # wall-clock ends of this run's steps
         self.step_cpu_times: list[float] = []  # CPU time of this process (all threads) per step
-        self.sampler = GlobalSampler(len(task.train_ds), env.world_size, env.rank, cfg.trainer.seed,
-                                     shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last,
+        # data parallelism splits the batch; the ranks of a tensor-parallel group read the same
+        # samples, and only the first of them counts its sums (`counts_sums`)
+        dims = plan.dims
+        self.dp, self.data_rank, self.counts_sums = dims.dp, dims.data_rank(env.rank), \
+            dims.counts(env.rank)
+        self.sampler = GlobalSampler(len(task.train_ds), self.dp, self.data_rank,
+                                     cfg.trainer.seed, shuffle=cfg.data.shuffle,
+                                     drop_last=cfg.data.drop_last,
                                      global_batch=plan.global_batch)
         self.micro_batch = plan.micro_batch
         batches = StepBatches(self.sampler, self.micro_batch, self.accum)
@@ -97,7 +105,7 @@ class TrainLoop:
         self.step = resumed.step
         epoch, done = divmod(self.step, self.steps_per_epoch)
         self.sampler.load_state_dict({"epoch": epoch, "seed": self.sampler.seed,
-                                      "position": done * self.global_batch // self.env.world_size})
+                                      "position": done * self.global_batch // self.dp})
         # the best evaluation so far is the same on every rank: any rank's copy will do
         self.best.load_state_dict((resumed.rank or resumed.loop["ranks"][0]).get("best", {}))
         self.last = dict((resumed.rank or resumed.loop["ranks"][0]).get("last") or {})
@@ -168,7 +176,7 @@ class TrainLoop:
                 counts = _add_counts(counts, step_counts)
                 self.step += 1
                 if self.recorder is not None:  # every rank's sample ids of this step
-                    ids = env.gather_objects(self.recorder.pop())
+                    ids = env.gather_objects(self.recorder.pop() if self.counts_sums else [])
                     slog.write({"step": self.step, "ids": sorted(i for r in ids for i in r)})
                 window.add(step_units)
                 self.units += step_units
@@ -237,9 +245,11 @@ class TrainLoop:
             samples = self.sampler.samples_in_step(self.step % self.steps_per_epoch)
             global_units = float(samples * per_sample)
         else:  # padded rows: count the real tokens of the whole global batch first
-            mine = sum(self.task.count_units(mb) for mb in micro if mb is not None)
+            mine = sum(self.task.count_units(mb) for mb in micro if mb is not None) \
+                if self.counts_sums else 0
             global_units = float(env.all_reduce_sum([mine])[0])
-        scale = env.world_size / max(global_units, 1.0)
+        # the data-parallel mean of the gradients undoes the `* dp`
+        scale = self.dp / max(global_units, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         units = 0
         counts: dict = {}
@@ -279,6 +289,8 @@ class TrainLoop:
         if self.grads_bytes is None:
             self.grads_bytes = local_bytes(p.grad for p in model.parameters())
         self.optimizer.zero_grad(set_to_none=True)
+        if not self.counts_sums:  # a tensor-parallel peer: the group's first rank counts these
+            loss_sum, units, counts = torch.zeros(()), 0, dict.fromkeys(counts, 0.0)
         return float(loss_sum), float(units), float(norm), global_units, counts
 
     def _stand_in_batch(self) -> Any:
@@ -320,9 +332,9 @@ class TrainLoop:
             n = min(n, tr.eval_samples)
         if n == 0:
             return None
-        mine = list(EvalSampler(n, env.world_size, env.rank))
+        mine = list(EvalSampler(n, self.dp, self.data_rank))
         b = self.micro_batch
-        n_batches = math.ceil(math.ceil(n / env.world_size) / b)  # the same on every rank
+        n_batches = math.ceil(math.ceil(n / self.dp) / b)  # the same on every rank
         was_training = self.model.training
         self.model.eval()
         total = count = 0.0
@@ -335,14 +347,15 @@ class TrainLoop:
             if idx:
                 s, c, counts = self._eval_batch(collate([self.val_ds[j] for j in idx]))
                 for key, value in counts.items():
-                    extra[key] = extra.get(key, 0.0) + float(value)
+                    extra[key] = extra.get(key, 0.0) + (float(value) if self.counts_sums else 0.0)
             else:  # out of samples: keep step with the other ranks, count nothing
                 _, _, counts = self._eval_batch(collate([self.val_ds[0]]))
                 for key in counts:  # the same keys on every rank, for the sum below
                     extra.setdefault(key, 0.0)
                 s, c = 0.0, 0
-            total += float(s)
-            count += c
+            if self.counts_sums:  # a tensor-parallel peer computed the same sums: counted once
+                total += float(s)
+                count += c
             bar.update(1)
         bar.close()
         self.model.train(was_training)

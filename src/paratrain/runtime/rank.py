@@ -233,7 +233,9 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
     log(env, f"{task.describe(n_params)}; strategy {plan.parallelism.name}{extras} "
              f"({plan.parallelism_reason}); {env.world_size} worker(s) on {env.device.type}; "
              f"precision {plan.precision}")
-    log(env, f"batch: {tr.batch_size} per device x {env.world_size} workers x {plan.accum} "
+    split = f"{env.world_size} workers" if plan.dims.tp == 1 else \
+        f"{plan.dims.dp} data-parallel groups (of {plan.dims.tp} tensor-parallel workers)"
+    log(env, f"batch: {tr.batch_size} per device x {split} x {plan.accum} "
              f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps "
              f"({plan.steps_per_epoch} per epoch)")
     for line in optim.schedule_warnings(plan.cfg.optim, plan.total_steps):
@@ -262,6 +264,7 @@ def run_summary(plan: RunPlan, env: DistEnv, task: Task, loop: TrainLoop, last: 
         "world_size": env.world_size, "nnodes": env.nnodes, "world_history": world_history,
         "strategy": plan.parallelism.name,
         "strategy_reason": plan.parallelism_reason,
+        "tensor_parallel": plan.dims.tp, "parallel_dims": plan.dims.to_dict(),
         "activation_checkpointing": plan.activation_checkpointing,
         "cpu_offload": plan.parallelism.offloads_to_host,
         "precision": plan.precision, "batch_size": cfg.trainer.batch_size,

@@ -36,11 +36,16 @@ from ..fileio import atomic_write_json
 from ..launch import environment
 from ..parallel.memory_plan import candidate_label
 from ..parallel.strategies import processes_per_node, resolve_parallelism
+from ..parallel.tensor import resolve_tensor_parallel
 
 PLAIN = "plain"
-# Each row is a memory-plan candidate, named as the plan names it: (trainer.strategy, recompute)
-ROW_REQUESTS = {"single": ("single", False), "dp": ("dp", False), "ddp": ("ddp", False),
-                "fsdp": ("fsdp", False), "fsdp+ac": ("fsdp", True)}
+# Each row is a memory-plan candidate, named as the plan names it: (trainer.strategy, recompute,
+# trainer.tensor_parallel; 0: every device); `tp` is tensor parallelism over all the devices
+# (tp2 on 2 workers), fsdp+tp2 splits layers in pairs and shards over the pairs (4+ workers)
+ROW_REQUESTS = {"single": ("single", False, 1), "dp": ("dp", False, 1),
+                "ddp": ("ddp", False, 1), "fsdp": ("fsdp", False, 1),
+                "fsdp+ac": ("fsdp", True, 1), "tp": ("fsdp", False, 0),
+                "fsdp+tp2": ("fsdp", False, 2)}
 ROWS = (*ROW_REQUESTS, PLAIN)
 
 # Dense bf16 tensor-core peak per GPU (FLOP/s), from the vendors' data sheets; the first name
@@ -98,21 +103,29 @@ def choose_variants(cfg: TrainConfig, devices: list[torch.device], rows: Sequenc
             runs.append(Variant("single", 1, (f"trainer.devices={one}", "trainer.strategy=single"),
                                 cores=cores))
             continue
-        strategy, recompute = ROW_REQUESTS[row]
+        strategy, recompute, tp = ROW_REQUESTS[row]
+        tp = tp or n
         world = processes_per_node(strategy, n)
         try:
-            got, why = resolve_parallelism(strategy, world_size=world, local_world_size=world,
-                                           device=devices[0])
+            if tp > 1:  # also the model's heads: a config error of its own
+                cfg.with_overrides([f"trainer.tensor_parallel={tp}"])
+                got, why = resolve_tensor_parallel(strategy, tp, world_size=world,
+                                                   local_world_size=world, device=devices[0])
+            else:
+                got, why = resolve_parallelism(strategy, world_size=world,
+                                               local_world_size=world, device=devices[0])
         except ConfigError as e:
             skipped.append({"label": row, "reason": str(e)})
             continue
-        if candidate_label(got, recompute) != row:
+        wanted = f"tp{tp}" if row == "tp" else row
+        if candidate_label(got, recompute) != wanted:
             skipped.append({"label": row, "reason": f"{strategy} resolves to {got.label} here "
                                                     f"({why})"})
             continue
         extra = ("trainer.activation_checkpointing=true",) if recompute else ()
+        extra += (f"trainer.tensor_parallel={tp}",) if tp > 1 else ()
         # dp is one process driving all n GPUs; the others are n processes
-        runs.append(Variant(row, n, (f"trainer.strategy={strategy}",) + extra))
+        runs.append(Variant(wanted, n, (f"trainer.strategy={strategy}",) + extra))
     return runs, skipped
 
 

@@ -1,0 +1,130 @@
+"""The parallel dimensions of a run: how its world of processes is factored, decided once.
+
+A run's processes form a grid, outermost dimension first:
+
+    dp_replicate x dp_shard x tp        (world = the product)
+
+- `tp`: tensor parallelism. The ranks of one TP group hold slices of the same matrices and see the
+  same batch; it is innermost, so a group is consecutive ranks, one node's processes (its
+  collectives run every layer and want the fastest links).
+- `dp_shard`: data parallelism that shards parameters, gradients and optimizer state (FSDP).
+- `dp_replicate`: data parallelism that replicates them (DDP, or HSDP's replicas across nodes).
+
+A pipeline dimension (`pp`) would go outermost, before `dp_replicate`: stages span nodes and
+send only activations between them.
+
+Everything that asks "which data does this rank read, and does its loss count" asks this object:
+the samplers read `data_rank`/`dp`, the loss scale divides by `dp`, and only the first rank of
+each TP group adds its loss sums (the others computed the same numbers). The DeviceMesh is built
+from it once per process (`build_mesh`), with these names, and sliced by name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..errors import ConfigError
+
+MESH_NAMES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.shape) < 1:
+            raise ValueError(f"parallel degrees must be >= 1, got {self}")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different micro-batches one micro-step computes."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tp > 1
+
+    def data_rank(self, rank: int) -> int:
+        """Which slice of the global batch `rank` reads: the ranks of a TP group read the same."""
+        return rank // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def counts(self, rank: int) -> bool:
+        """Whether this rank's loss sums and sample counts are added up: one rank per TP group
+        (its peers computed the same numbers from the same batch)."""
+        return self.tp_rank(rank) == 0
+
+    def shard_rank(self, rank: int) -> int:
+        """The rank's coordinate on the data-sharding dimension (which FSDP shard it holds)."""
+        return (rank // self.tp) % self.dp_shard
+
+    def build_mesh(self, device_type: str) -> Any:
+        """The (dp_replicate, dp_shard, tp) DeviceMesh of this run. Collective: every rank calls
+        it once, and every parallel piece slices this one mesh (FSDP requires the data and tensor
+        meshes to share a root)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(mesh_device_type(device_type), self.shape,
+                                mesh_dim_names=MESH_NAMES)
+        if self.tp > 1:
+            # A value partial over both (a gradient norm under FSDP x TP) is then reduced in one
+            # all-reduce instead of one per dimension: DTensor uses a flattened mesh it finds.
+            mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+        return mesh
+
+    @property
+    def label(self) -> str:
+        """e.g. `dp_shard=2 x tp=2`, the dimensions above one."""
+        parts = [f"{n}={d}" for n, d in zip(MESH_NAMES, self.shape) if d > 1]
+        return " x ".join(parts) or "one process"
+
+    def to_dict(self) -> dict:
+        return dict(zip(MESH_NAMES, self.shape))
+
+
+def mesh_device_type(device_type: str) -> str:
+    """The device type a mesh is built for: a model on the meta device (the plan's simulation,
+    parallel/simulate.py) meets its collectives on a CPU group (torch's fake one there)."""
+    return "cpu" if device_type == "meta" else device_type
+
+
+def check_tensor_parallel(tp: int, *, world: int, local_world: int,
+                          shard_group: Optional[int] = None) -> None:
+    """One ConfigError line when `trainer.tensor_parallel=tp` cannot split this job's processes:
+    it must divide the processes of a node (a TP group never spans nodes), and so the world, and
+    an HSDP shard group. (That it divides the attention heads is checked with the model's shape:
+    config_checks.check_tp_heads.)"""
+    if tp == 1:
+        return
+    key = f"trainer.tensor_parallel={tp}"
+    if tp > local_world:
+        raise ConfigError(f"{key} is more than the {local_world} process(es) per node: a "
+                          f"tensor-parallel group stays inside a node; use at most "
+                          f"{local_world} ({_divisors_text(local_world)})")
+    if local_world % tp:
+        raise ConfigError(f"{key} does not divide the {local_world} processes per node; use "
+                          f"one of {_divisors_text(local_world)}")
+    if world % tp:  # a node count that does not fit cannot happen once tp | local; kept honest
+        raise ConfigError(f"{key} does not divide the world of {world} processes; use one of "
+                          f"{_divisors_text(math.gcd(world, local_world))}")
+    if shard_group is not None and shard_group % tp:
+        raise ConfigError(f"trainer.shard_group_size={shard_group} is not a multiple of {key}: "
+                          "an HSDP shard group holds whole tensor-parallel groups")
+
+
+def _divisors_text(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

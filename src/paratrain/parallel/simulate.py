@@ -1,0 +1,358 @@
+"""The plan of a run on devices you do not have: `paratrain plan plan.nodes=128
+plan.devices_per_node=8 ...` builds the real parallelized model, through the same `parallelize`
+that training calls (TP -> AC -> compile -> FSDP), on the meta device (no memory) as rank 0 of a
+fake process group of the target's world size (no processes, no communication), and reads what
+that rank would hold from its real DTensor shards.
+
+- State: parameters, gradients and AdamW moments per device, from the local shards (rank 0 is
+  the fullest: uneven splits give the first ranks the remainder).
+- Activations: one micro-batch's forward and loss on the meta device with tensor parallelism
+  applied (the data-parallel wrapper changes no activation), the bytes autograd saves for
+  backward counted by the same meter the training loop uses.
+- Traffic: bytes each device sends per optimizer step, per collective and mesh dimension. The
+  tensor-parallel collectives are the ones the meta forward and backward actually issue (counted
+  as they are dispatched); FSDP's all-gathers and reduce-scatters and the replicas' all-reduces
+  follow from the shard sizes (ring algorithms: an all-gather or reduce-scatter sends (n-1)/n of
+  the full tensor, an all-reduce twice that).
+
+Transformer blocks are identical, so every figure is linear in the number of blocks: each layout
+is built with one block and with two, and f(L) = f(1) + (L - 1) * (f(2) - f(1)) is exact. That
+keeps a 405B-parameter plan over 4096 devices to seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..dist import DistEnv
+from ..formatting import human_bytes
+from .fake_world import fake_world
+from .memory import SavedTensorMeter, local_bytes
+from .memory_plan import MARGIN, Choice, Estimate, choose
+from .precision import mixed_dtype, prepare_model
+from .strategies import Parallelism, parallelize, resolve_parallelism
+from .tensor import TensorParallel, resolve_tensor_parallel
+
+META = torch.device("meta")
+COLLECTIVES = {"all_gather_into_tensor": "all-gather", "reduce_scatter_tensor": "reduce-scatter",
+               "all_reduce": "all-reduce"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """The layout a plan is for: nodes x devices per node, and one device's memory."""
+    nodes: int
+    devices_per_node: int
+    capacity: int  # bytes
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def label(self) -> str:
+        return (f"{self.world} devices as {self.nodes} node(s) x {self.devices_per_node}, "
+                f"{human_bytes(self.capacity)} each")
+
+
+@dataclass(frozen=True)
+class Simulated(Estimate):
+    """A plan row read from the simulated model: Estimate's bytes on rank 0, plus the bytes it
+    sends per optimizer step ({mesh dimension: {collective: bytes}})."""
+    sent: dict = field(default_factory=dict)
+    asked: bool = False  # the layout the config asks for
+    dims: str = ""  # the mesh, e.g. dp_shard=128 x tp=8
+
+    @property
+    def sent_total(self) -> int:
+        return sum(b for by_kind in self.sent.values() for b in by_kind.values())
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "mesh": self.dims, "asked": self.asked,
+                "sent_bytes_per_step": self.sent}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step computes: the model (a factory of it with a given number of blocks), its
+    blocks, precision, micro-batch and accumulation."""
+    build: Callable[[int], nn.Module]  # blocks -> a model with that many blocks
+    num_layers: int
+    vocab_size: int
+    seq_length: int
+    micro_batch: int
+    global_batch: Optional[int]  # trainer.global_batch_size: accumulation depends on the layout
+    precision: str
+    reshard_after_forward: bool = True
+
+    def accum(self, dp: int) -> int:
+        """Micro-steps per optimizer step with `dp` data-parallel groups (at least one)."""
+        return max(1, (self.global_batch or 0) // (self.micro_batch * dp))
+
+
+def candidates(target: Target, *, heads: int, kv_heads: int, requested: str, tp: int,
+               reshard_after_forward: bool = True) -> list[tuple[Parallelism, bool, bool]]:
+    """(parallelism, activation checkpointing, asked) in `auto`'s order, fastest first: replicate;
+    shard within nodes and replicate across; shard over all; shard and split layers (TP inside
+    a node, the smallest degree first); the same recomputing blocks; shard and offload. The
+    layout the config asks for is always among them."""
+    world, local = target.world, target.devices_per_node
+    kw = dict(world_size=world, local_world_size=local, device=META,
+              reshard_after_forward=reshard_after_forward)
+
+    def data(name: str) -> Parallelism:
+        return resolve_parallelism(name, **kw)[0]
+
+    def tensor(name: str, degree: int) -> Parallelism:
+        return resolve_tensor_parallel(name, degree, **kw)[0]
+    degrees = [d for d in range(2, local + 1)
+               if local % d == 0 and heads % d == 0 and kv_heads % d == 0]
+    plain = [data("ddp")] + ([data("hsdp")] if 1 < local < world else []) + \
+        ([data("fsdp")] if world > 1 else [])
+    split = [tensor("fsdp", d) for d in degrees]
+    rows = [(p, False) for p in plain + split] + \
+        [(p, True) for p in plain[-1:] + split if world > 1]
+    if world > 1:
+        rows.append((resolve_parallelism("fsdp", cpu_offload=True, **kw)[0], True))
+    asked = (tensor(requested, tp) if tp > 1 else data(requested), False)
+    if asked not in rows:
+        rows.insert(0, asked)
+    return [(p, ac, (p, ac) == asked) for p, ac in rows]
+
+
+def simulate(work: Workload, target: Target,
+             layouts: list[tuple[Parallelism, bool, bool]]) -> list[Simulated]:
+    """Every layout's row, built and measured as rank 0 of the target's world."""
+    activations: dict[tuple[int, bool], dict] = {}  # by (tp degree, checkpointing): shared
+    rows = []
+    for parallelism, ac, asked in layouts:
+        state = _linear(work, lambda blocks: _state(work, blocks, parallelism, target))
+        dims = parallelism.layout(target.world)
+        key = (dims.tp, ac)
+        if key not in activations:
+            activations[key] = _linear(work, lambda blocks: _activations(
+                work, blocks, parallelism if dims.tp > 1 else None, target, ac))
+        act = activations[key]
+        accum = work.accum(dims.dp)
+        sent = _data_parallel_traffic(work, parallelism, state, target.world, accum)
+        for name, count in act["sent"].items():  # tensor parallel: per micro-step
+            sent.setdefault("tp", {})[name] = count * accum
+        activation_bytes = int(act["saved"])
+        gathered = 2 * int(act["block_numel"]) * _param_bytes(work.precision) \
+            if parallelism.sharded else 0  # FSDP: this block's full parameters and the next's
+        params, n_tensors = int(state["params"]), int(state["tensors"])
+        parts = (params, params, 2 * params + 4 * n_tensors)  # AdamW: 2 moments + a step each
+        on_device = not parallelism.offloads_to_host
+        peak = activation_bytes + gathered + (sum(parts) if on_device else 0)
+        rows.append(Simulated(parallelism, ac, *parts, activation_bytes, peak, sent=sent,
+                              asked=asked, dims=dims.label))
+    return rows
+
+
+def _linear(work: Workload, measure: Callable[[int], dict]) -> dict:
+    """f(L) from f(1) and f(2): every figure is linear in the number of identical blocks."""
+    one, two = measure(1), measure(2)
+    out: dict = {}
+    for key in one:
+        if isinstance(one[key], dict):
+            names = set(one[key]) | set(two[key])
+            out[key] = {n: one[key].get(n, 0) + (work.num_layers - 1) *
+                        (two[key].get(n, 0) - one[key].get(n, 0)) for n in names}
+        else:
+            out[key] = one[key] + (work.num_layers - 1) * (two[key] - one[key])
+    return out
+
+
+def _env(target: Target) -> DistEnv:
+    return DistEnv(world_size=target.world, local_world_size=target.devices_per_node,
+                   nnodes=target.nodes, device=META)
+
+
+def _state(work: Workload, blocks: int, parallelism: Parallelism, target: Target) -> dict:
+    """Rank 0's parameters under `parallelism`, the model wrapped exactly as training wraps it:
+    bytes, tensors, elements, and the elements outside the blocks (FSDP's root unit)."""
+    dims = parallelism.layout(target.world)
+    with fake_world(target.world):
+        model = _model(work, blocks)
+        if dims.dp_shard > 1 or dims.tp > 1:  # (a replica holds the module as it is; DDP's
+            model = parallelize(model, parallelism, _env(target),  # checks need real data)
+                                precision=work.precision)
+        named = dict(model.named_parameters())
+    return {"params": local_bytes(named.values()), "tensors": len(named),
+            "numel": sum(_local_numel(p) for p in named.values()),
+            "root_numel": sum(_local_numel(p) for n, p in named.items()
+                              if not n.startswith("layers."))}
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return (p.to_local() if hasattr(p, "to_local") else p).numel()
+
+
+def _model(work: Workload, blocks: int) -> nn.Module:
+    with torch.device(META):
+        model = work.build(blocks)
+    return prepare_model(model, work.precision)
+
+
+def _activations(work: Workload, blocks: int, tensor: Optional[Parallelism], target: Target,
+                 checkpointing: bool) -> dict:
+    """Bytes saved for backward by one micro-batch's forward and loss, and the tensor-parallel
+    collectives of its forward and backward, on the meta device."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .strategies import apply_activation_checkpointing
+    sent: Counter = Counter()
+
+    class Collectives(TorchDispatchMode):
+        """Counts the bytes each collective sends from this rank as DTensor issues them."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = COLLECTIVES.get(func.__name__.split(".")[0])
+            if name is not None:
+                sent[name] += _sent_bytes(name, args[0], group_size)
+            return func(*args, **(kwargs or {}))
+
+    with fake_world(target.world), fused_attention():
+        model = _model(work, blocks)
+        compute = mixed_dtype(work.precision)
+        if compute is not None:  # autocast has no meta device: compute in the half dtype, as
+            model.to(compute)  # FSDP's mixed-precision policy does (the norms upcast inside)
+        group_size = 1
+        if tensor is not None:
+            mesh = tensor.device_mesh(_env(target))
+            tensor.split(model, mesh)
+            group_size = mesh["tp"].size()
+        if checkpointing:
+            apply_activation_checkpointing(model)
+        idx = torch.zeros(work.micro_batch, work.seq_length, dtype=torch.long, device=META)
+        with Collectives(), SavedTensorMeter(model) as meter:
+            logits = model(idx)  # (B, T, V)
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
+        with Collectives():
+            loss.backward()
+    # one block's parameters as TP leaves them: what FSDP gathers for it
+    block = sum(_local_numel(p) for p in model.layers[0].parameters())
+    return {"saved": meter.bytes, "sent": dict(sent), "block_numel": block}
+
+
+@contextlib.contextmanager
+def fused_attention() -> Iterator[None]:
+    """On the meta device torch computes attention unfused, saving the (T, T) scores for
+    backward; a GPU's flash attention (and the CPU's) keeps only the output and one number per
+    row. For the duration, attention on meta tensors goes to the fused kernel, which the meta
+    device can run. (Swapped module-wide, not by a dispatch mode: checkpointed blocks recompute
+    their forward in autograd's own thread.)"""
+    plain = nn.functional.scaled_dot_product_attention
+
+    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        if query.device.type != "meta" or hasattr(query, "to_local"):
+            return plain(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if enable_gqa and key.size(-3) != query.size(-3):  # (B, KV, T, D) -> (B, H, T, D)
+            rep = query.size(-3) // key.size(-3)
+            key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    nn.functional.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        nn.functional.scaled_dot_product_attention = plain
+
+
+def _sent_bytes(name: str, tensor: torch.Tensor, n: int) -> int:
+    """Bytes one rank sends in a ring collective over n ranks, given the tensor it passes in."""
+    size = tensor.numel() * tensor.element_size()
+    if name == "all-gather":  # its own shard to each of the others
+        return (n - 1) * size
+    if name == "reduce-scatter":  # (n - 1) / n of the full input
+        return (n - 1) * size // n
+    return 2 * (n - 1) * size // n  # all-reduce: a reduce-scatter, then an all-gather
+
+
+def _param_bytes(precision: str) -> int:
+    """Bytes of one element as FSDP gathers it (the compute dtype)."""
+    dtype = mixed_dtype(precision) or (torch.bfloat16 if precision == "bf16-true"
+                                       else torch.float32)
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _data_parallel_traffic(work: Workload, parallelism: Parallelism, state: dict,
+                           world: int, accum: int) -> dict:
+    """{mesh dimension: {collective: bytes}} per optimizer step of the data-parallel part, from
+    rank 0's shard sizes: FSDP gathers every unit in each micro-step's forward, and the blocks
+    again in backward when it frees them after forward (the root it keeps); gradients are
+    reduce-scattered once per step (accumulation skips the sync), in fp32 under mixed
+    precision, then all-reduced across replicas (HSDP's, or DDP's whole gradients)."""
+    dims = parallelism.layout(world)
+    numel, root = int(state["numel"]), int(state["root_numel"])
+    gather, grad = _param_bytes(work.precision), 2 if work.precision == "bf16-true" else 4
+    out: dict = {}
+    if dims.dp_shard > 1:
+        n = dims.dp_shard
+        regathered = numel - root if work.reshard_after_forward else 0
+        out["dp_shard"] = {"all-gather": (n - 1) * (numel + regathered) * gather * accum,
+                           "reduce-scatter": (n - 1) * numel * grad}
+    if dims.dp_replicate > 1:
+        n = dims.dp_replicate
+        out["dp_replicate"] = {"all-reduce": 2 * (n - 1) * numel * grad // n}
+    return out
+
+
+# ---- from a config, and the table ---------------------------------------------------------------
+def target_of(cfg: Any) -> Target:
+    """plan.nodes / plan.devices_per_node / plan.device_memory_gb, each defaulting to this
+    machine's (distributed.nnodes, trainer.devices, the device's memory)."""
+    from ..launch.environment import parse_devices
+    from .memory_plan import device_capacity
+    devices = parse_devices(cfg.trainer.devices)
+    per_node = cfg.plan.devices_per_node or len(devices)
+    capacity = int(cfg.plan.device_memory_gb * 1e9) if cfg.plan.device_memory_gb \
+        else device_capacity(devices[0], per_node)
+    return Target(cfg.plan.nodes or cfg.distributed.max_nodes, per_node, capacity)
+
+
+def plan_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
+    """(rows, target, auto's pick, workload) for a TrainConfig with one of our models."""
+    from ..models import build_model, resolve_model_config
+    target = target_of(cfg)
+    tr = cfg.trainer
+    args = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
+                                seq_length=cfg.data.seq_length)
+    work = Workload(lambda blocks: build_model(dataclasses.replace(args, num_layers=blocks)),
+                    args.num_layers, args.vocab_size, cfg.data.seq_length, tr.batch_size,
+                    tr.global_batch_size, tr.precision, tr.reshard_after_forward)
+    layouts = candidates(target, heads=args.num_heads, kv_heads=args.num_kv_heads,
+                         requested=tr.strategy if tr.strategy != "single" else "ddp",
+                         tp=tr.tensor_parallel, reshard_after_forward=tr.reshard_after_forward)
+    rows = simulate(work, target, layouts)
+    return rows, target, choose(rows, target.capacity), work
+
+
+def format_simulation(rows: list[Simulated], target: Target, pick: Choice, work: Workload,
+                      title: str) -> str:
+    head = (f"{'layout':<16}{'mesh':<30}{'params':>10}{'grads':>10}{'optimizer':>11}"
+            f"{'activations':>13}{'per device':>12}  fits  {'sent per step':>14}")
+    batch = f"global batch {work.global_batch}" if work.global_batch else "no accumulation"
+    lines = [f"{title}: {target.label}; micro-batch {work.micro_batch} x {work.seq_length} "
+             f"tokens ({batch}), {work.precision}", head]
+    for r in rows:
+        fits = "yes" if r.device_bytes <= target.capacity * MARGIN else "no"
+        lines.append(f"{r.label + (' *' if r.asked else ''):<16}{r.dims:<30}"
+                     f"{human_bytes(r.params_bytes):>10}{human_bytes(r.grads_bytes):>10}"
+                     f"{human_bytes(r.optimizer_bytes):>11}{human_bytes(r.activation_bytes):>13}"
+                     f"{human_bytes(r.device_bytes):>12}  {fits:<4}  "
+                     f"{human_bytes(r.sent_total):>14}")
+    lines.append("* the layout the config asks for; sent: bytes each device sends per optimizer "
+                 "step (--json: by mesh dimension and collective)")
+    lines.append(f"planning to {int(MARGIN * 100)}% of each device; auto picks {pick.label} "
+                 f"({pick.why})")
+    return "\n".join(lines)

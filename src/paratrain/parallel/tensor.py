@@ -1,0 +1,377 @@
+"""Tensor parallelism: one layer's matrices split over the processes of a node (Megatron-style,
+through torch.distributed.tensor.parallel), composed with data parallelism over the remaining
+dimension of the run's mesh (parallel/dims.py).
+
+In each block the projections that read the residual stream are split by columns (q, k, v; the
+MLP's up/gate), so every rank computes whole heads and its slice of the hidden units with no
+communication, and the projections that write back into the stream are split by rows (attention's
+output, the MLP's down projection), whose partial sums are reduced once per sub-layer. With
+sequence parallelism the stream between those regions (norms, dropout, residual adds) is split
+along the sequence instead of replicated, so activations shrink by the TP degree too: the reduce
+becomes a reduce-scatter and the entry of each region an all-gather (Korthikanti et al., 2022).
+The token embedding is split by vocabulary rows and the output projection by vocabulary columns,
+then gathered so the loss sees whole logits and the loop's token-weighted sum stays exact.
+
+Every parameter ends up a DTensor on the TP mesh (a layer no plan splits is replicated over it),
+so FSDP2 on the data-parallel submesh, gradient clipping, the optimizer and DCP all see one mesh.
+Order, as torchtitan composes them: TP -> activation checkpointing -> compile -> FSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, ContextManager, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..dist import DistEnv
+from ..errors import ConfigError
+from .dims import ParallelDims, check_tensor_parallel
+from .precision import mixed_dtype
+from .strategies import Parallelism, resolve_parallelism
+
+
+@dataclass(frozen=True)
+class TensorParallel(Parallelism):
+    """`trainer.tensor_parallel=N`: TP over the `tp` dimension of `dims`, and data parallelism
+    over the rest (`data`: ddp replicates, fsdp shards, hsdp both; `single` when there is none),
+    through FSDP2 on the (dp_replicate, dp_shard) submesh: replicating is FSDP2 with shards of one
+    (torchtitan does the same), which keeps mixed precision, accumulation and the gradient
+    reductions one code path for every layout."""
+    dims: ParallelDims = field(default_factory=ParallelDims)
+    data: Parallelism = field(default_factory=Parallelism)  # over the data-parallel processes
+    reshard_after_forward: bool = True
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "tp" if self.dims.dp == 1 else f"{self.data.name}+tp"
+
+    @property
+    def sharded(self) -> bool:  # type: ignore[override]
+        return self.dims.dp_shard > 1
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}{self.dims.tp}"
+
+    def device_mesh(self, env: DistEnv) -> Any:
+        return self.dims.build_mesh(env.device.type)
+
+    def split(self, model: nn.Module, mesh: Any) -> None:
+        apply_tensor_parallel(model, mesh["tp"])
+        # The logits come out of the gathered head as a view of the DTensor's local tensor;
+        # FSDP2 warns about any view a root returns, for in-place ops the loop never does.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view",
+                                category=UserWarning)
+
+    def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
+             units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        kwargs: dict = {"mesh": mesh["dp_replicate", "dp_shard"],
+                        "reshard_after_forward": self.reshard_after_forward and self.sharded}
+        param_dtype = mixed_dtype(precision)
+        if param_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                       reduce_dtype=torch.float32)
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
+                    units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
+        return self.wrap(model, env, precision=precision, units=units, mesh=mesh)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def autocast(self, precision: str, device: torch.device) -> ContextManager:
+        return contextlib.nullcontext()  # FSDP2's MixedPrecisionPolicy casts
+
+    def grad_scaler(self, precision: str, device: torch.device) -> Optional[Any]:
+        if precision != "fp16-mixed":
+            return None
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler(device.type)
+
+    def state_numel(self, shape: torch.Size, world: int, rank: int = 0) -> int:
+        raise NotImplementedError("a tensor-parallel share depends on the layer, not the shape: "
+                                  "the memory plan reads it from the parallelized model "
+                                  "(parallel/simulate.py)")
+
+    def layout(self, world: int) -> ParallelDims:
+        return self.dims
+
+
+def resolve_tensor_parallel(requested: str, tp: int, *, world_size: int, local_world_size: int,
+                            device: torch.device, reshard_after_forward: bool = True,
+                            shard_group_size: Optional[int] = None
+                            ) -> tuple[TensorParallel, str]:
+    """(parallelism, why) for `trainer.tensor_parallel=tp` with `trainer.strategy=requested`
+    over the other world / tp processes: the data-parallel part is resolved as
+    `resolve_parallelism` would for that many processes (`auto`: fsdp, which shards what TP
+    leaves whole), then both are fixed in one ParallelDims."""
+    check_tensor_parallel(tp, world=world_size, local_world=local_world_size,
+                          shard_group=shard_group_size)
+    data, why = resolve_parallelism(
+        "fsdp" if requested == "auto" else requested, world_size=world_size // tp,
+        local_world_size=local_world_size // tp, device=device,
+        reshard_after_forward=reshard_after_forward,
+        shard_group_size=shard_group_size // tp if shard_group_size else None)
+    base = data.layout(world_size // tp)
+    dims = ParallelDims(base.dp_replicate, base.dp_shard, tp)
+    why = ("auto: fsdp over the data-parallel processes" if requested == "auto" and dims.dp > 1
+           else why if dims.dp > 1 else "no data parallelism left")
+    return (TensorParallel(dims=dims, data=data, reshard_after_forward=reshard_after_forward),
+            f"{why}; tensor parallel over {tp} processes of a node ({dims.label})")
+
+
+# ---- the plans ----------------------------------------------------------------------------------
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
+    """Split `model` over the 1-D `tp_mesh` by its plan (ours, the Hugging Face model's own
+    `base_model_tp_plan`, or a `tp_plan` the module gives), then replicate over the mesh every
+    parameter the plan left alone. Tied weights stay tied. A ConfigError when there is no plan."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    ties = _tied_parameters(model)
+    plan = tp_plan_of(model)
+    if isinstance(plan, dict):
+        parallelize_module(model, tp_mesh, plan)
+    else:
+        plan(model, tp_mesh)  # a function of its own: the Hugging Face path
+    _replicate_the_rest(model, tp_mesh)
+    for owner, name, source_owner, source_name in ties:
+        setattr(owner, name, getattr(source_owner, source_name))
+
+
+def tp_plan_of(model: nn.Module) -> Any:
+    """The plan that splits this model: a dict of module name patterns to torch ParallelStyles,
+    or a function (model, tp_mesh) that applies one. A ConfigError naming why when none."""
+    from ..models.gpt import GPT
+    from ..models.llama import Llama
+    if isinstance(model, Llama):
+        return llama_plan()
+    if isinstance(model, GPT):
+        return gpt_plan()
+    own = getattr(model, "tp_plan", None)
+    if isinstance(own, dict) and own and all(_is_style(s) for s in own.values()):
+        return own  # a user's module that says how to split it
+    if hasattr(model, "config") and hasattr(model, "base_model"):  # a transformers model
+        from .tensor_hf import hf_plan
+        return hf_plan(model)
+    raise ConfigError(
+        f"trainer.tensor_parallel needs a plan that says how to split {type(model).__name__}'s "
+        "layers, and it has none; give the module a `tp_plan` attribute (a dict of submodule "
+        "names to torch.distributed.tensor.parallel styles, e.g. ColwiseParallel()), or train "
+        "it with trainer.tensor_parallel=1")
+
+
+def check_tp_plan(task: Any, tp: int) -> None:
+    """Before any worker starts: the task's model (built on the meta device: no memory, no
+    weights read) has a plan, and `tp` divides its heads. One ConfigError line when not."""
+    from ..config_checks import check_tp_heads
+    with torch.device("meta"):
+        model = task.build_model()
+    if any(not p.requires_grad for p in model.parameters()):  # LoRA: see the README
+        raise ConfigError(
+            f"trainer.tensor_parallel={tp} with LoRA adapters is refused: peft replaces the "
+            "projections the model's plan splits with adapter wrappers, which would need a plan "
+            "of their own (A whole and B by columns beside a column-split layer, A by rows "
+            "beside a row-split one); train LoRA with trainer.tensor_parallel=1 (fsdp shards "
+            "the frozen base), or full fine-tuning (model.lora.r=0) with tensor parallelism")
+    tp_plan_of(model)
+    config = getattr(model, "config", None)  # a Hugging Face model's own head counts
+    if config is not None:
+        heads = getattr(config, "num_attention_heads", None)
+        check_tp_heads(tp, heads, getattr(config, "num_key_value_heads", None) or heads,
+                       where="model.path config.json's")
+
+
+def _is_style(obj: Any) -> bool:
+    from torch.distributed.tensor.parallel import ParallelStyle
+    return isinstance(obj, ParallelStyle)
+
+
+def llama_plan() -> dict:
+    """Our Llama: vocab-split embedding whose output is the sequence-split stream; per block,
+    the norms sequence-parallel, q/k/v and w1/w3 by columns, wo and w2 by rows (reduce-scattered
+    back to the sequence split); the final norm sequence-parallel; the head by vocabulary, its
+    logits gathered whole."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+    to_stream = partial(RowwiseParallel, output_layouts=Shard(1), use_local_output=False)
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                          use_local_output=False),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                 desired_input_layouts=(Replicate(), None)),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": to_stream(),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                    desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": to_stream(),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
+def gpt_plan() -> dict:
+    """Our GPT: as Llama, with learned positions replicated (added to the sequence-split
+    stream, each rank its own positions) and the fused q/k/v projection split in three strides,
+    so a rank's slice holds its heads' rows of each of q, k and v."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+    to_stream = partial(RowwiseParallel, output_layouts=Shard(1), use_local_output=False)
+    return {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                               use_local_output=False),
+        "wpe": Replicated(use_local_output=False),
+        "layers.*.ln_1": SequenceParallel(),
+        "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+        "layers.*.attn.c_attn": FusedColwise(parts=3),
+        "layers.*.attn.c_proj": to_stream(),
+        "layers.*.ln_2": SequenceParallel(),
+        "layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),)),
+        "layers.*.mlp.c_fc": ColwiseParallel(),
+        "layers.*.mlp.c_proj": to_stream(),
+        "ln_f": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
+# ---- two styles torch does not have -------------------------------------------------------------
+def _style_base() -> type:
+    from torch.distributed.tensor.parallel import ParallelStyle
+    return ParallelStyle
+
+
+class Replicated(_style_base()):  # type: ignore[misc]
+    """The module's own parameters replicated over the TP mesh as DTensors, its tensor inputs
+    marked replicated, its output kept a DTensor (or made local): a layer no plan splits still
+    lives on the one mesh that FSDP, clipping and the optimizer expect."""
+
+    def __init__(self, *, use_local_output: bool = True):
+        super().__init__()
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+        return distribute_module(module, device_mesh, _replicate_own_parameters,
+                                 _inputs_replicated, partial(_output, self.use_local_output))
+
+
+def _replicate_own_parameters(name: str, module: nn.Module, mesh: Any) -> None:
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    for pname, param in list(module._parameters.items()):
+        if param is not None and not isinstance(param.data, DTensor):
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param.data, mesh, [Replicate()]),
+                requires_grad=param.requires_grad))
+
+
+def _inputs_replicated(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+    from torch.distributed.tensor import DTensor, Replicate
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                 for x in inputs)
+
+
+def _output(use_local: bool, module: nn.Module, output: Any, mesh: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+    return output.to_local() if use_local and isinstance(output, DTensor) else output
+
+
+def _colwise_base() -> type:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    return ColwiseParallel
+
+
+class FusedColwise(_colwise_base()):  # type: ignore[misc]
+    """Column-wise for a projection that computes `parts` outputs at once (GPT's c_attn: q, k, v):
+    the rows are split in `parts` strides (DTensor's strided shard), so rank r holds the r-th
+    slice of each part and its local output is [q_r, k_r, v_r]; that output is used as it is."""
+
+    def __init__(self, *, parts: int):
+        super().__init__()
+        self.parts = parts
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: Any) -> None:
+        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+        for pname, param in module.named_parameters():
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, mesh, [_StridedShard(0, split_factor=self.parts)],
+                                  src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module,
+                           outputs: Any, device_mesh: Any) -> Any:
+        return outputs.to_local()
+
+
+def _replicate_the_rest(model: nn.Module, tp_mesh: Any) -> None:
+    """Every module whose own parameters the plan left plain gets them replicated (Replicated)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+    for module in list(model.modules()):
+        own = [p for p in module._parameters.values() if p is not None]
+        if own and not all(isinstance(p.data, DTensor) for p in own):
+            parallelize_module(module, tp_mesh, Replicated())
+
+
+def _tied_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, name, first module, its name) for every parameter that is the same object as
+    one met earlier (GPT's head and token embedding): splitting replaces parameters, so the tie
+    is made again afterwards, which needs both to be split the same way."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                ties.append((module, name, *first[id(p)]))
+            else:
+                first[id(p)] = (module, name)
+    return ties
+
+
+def storable(state: Any) -> Any:
+    """`state` (nested dicts of tensors, as DCP saves and loads them) with every strided shard
+    (FusedColwise: GPT's q/k/v under TP) gathered whole: DCP records each rank's shard as one
+    box of the full tensor, which a strided shard is not. A replicated tensor is written once;
+    loading copies it back into the strided parameter (a local slice, no communication)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.placement_types import _StridedShard
+    if isinstance(state, dict):
+        return {k: storable(v) for k, v in state.items()}
+    if isinstance(state, DTensor) and any(isinstance(p, _StridedShard) for p in state.placements):
+        return state.redistribute(placements=[Replicate()] * state.device_mesh.ndim)
+    return state
