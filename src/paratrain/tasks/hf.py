@@ -69,8 +69,9 @@ class PretrainedTask(NoFrozenModels):
                  "tokenizer": str(tokenizer_dir)}
         key = fingerprint(cfg, f"{cls.__module__}.{cls.__qualname__}", train_src, val_src,
                           tokenizer_dir)
-        encoded = load_or_encode(cfg.cache_dir, key, tokenizer_dir, names, lambda: cls.encode_records(
-            cfg, tokenizer_dir, train_src, val_src, names), log)
+        encoded = load_or_encode(
+            cfg.cache_dir, key, tokenizer_dir, names,
+            lambda: cls.encode_records(cfg, tokenizer_dir, train_src, val_src, names), log)
         train, val = encoded.train, encoded.val
         if val is None and d.val_fraction > 0:
             train_rows, val_rows = validation_rows(len(train), d.val_fraction, cfg.trainer.seed)
