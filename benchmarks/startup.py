@@ -4,14 +4,15 @@ under paratrain's launcher and under torchrun. Interleaved (A B C, then C B A, .
 machine's drifting load falls on every variant alike; the 1-minute load average is recorded
 before and after every run.
 
-    python benchmarks/startup.py --repeats 3                  # results in benchmarks/results/startup
-    python benchmarks/startup.py --variants paratrain,hf      # a subset
+    python benchmarks/startup.py --repeats 3             # results in benchmarks/results/startup
+    python benchmarks/startup.py --variants paratrain,hf # a subset
 
 Phases of one command (seconds): `launcher` (the launching process's imports, data preparation
 and the start of the workers, up to a worker process existing), `worker_imports`, `data`,
 `model` (process group, model built, optimizer; HF: its Trainer set up), `first_step`,
 `to_first_step` (the command's start to the end of its first optimizer step), `teardown` (the end
-of the last step to the command's exit) and `wall`. paratrain's come from summary.json's
+of the last step to the command's exit), `wall`, and `cpu` (CPU seconds of the command and all its
+processes: the work, which the load does not change much). paratrain's come from summary.json's
 `timeline`, HF's from the timeline its script writes (hf_trainer_finetune.py).
 """
 
@@ -21,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -103,12 +105,15 @@ def run_once(variant: str, work: Path, steps: int) -> dict:
         shutil.rmtree(work / "cache-cold", ignore_errors=True)
     cmd = command(variant, work, run_dir, steps)
     before = load()
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.time()
     r = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=900)
     end = time.time()
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode != 0:
         raise SystemExit(f"{variant} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    out = {"variant": variant, "wall": end - t0, "load_before": before, "load_after": load()}
+    out = {"variant": variant, "wall": end - t0, "load_before": before, "load_after": load(),
+           "cpu": cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime}
     out.update(phases(variant, run_dir, t0, end))
     return out
 
@@ -136,7 +141,7 @@ def phases(variant: str, run_dir: Path, t0: float, end: float) -> dict:
 
 
 COLUMNS = ("launcher", "worker_imports", "data", "model", "first_step", "to_first_step",
-           "teardown", "wall")
+           "teardown", "wall", "cpu")
 
 
 def table(runs: list[dict], variants: list[str]) -> str:

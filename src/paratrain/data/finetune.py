@@ -328,9 +328,8 @@ class FinetuneDataset(Dataset):
                     labels: Optional[np.ndarray]) -> "FinetuneDataset":
         """Over arrays laid out as `arrays()` gives them (the encoded-records cache, mapped)."""
         ds = cls.__new__(cls)
-        ds.sequence_keys, ds.columns, ds.offsets, ds.labels = list(columns), columns, offsets, \
-            labels
-        ds.lengths, ds.rows = np.diff(offsets), None
+        ds.sequence_keys, ds.columns, ds.labels = list(columns), columns, labels
+        ds.offsets, ds.lengths, ds.rows = offsets, np.diff(offsets), None
         return ds
 
     def arrays(self) -> Dict[str, np.ndarray]:

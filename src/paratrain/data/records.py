@@ -69,7 +69,7 @@ def records_fingerprint(source: Any) -> str:
         if not files:
             return "missing:" + str(source)
         for f in files:
-            h.update(str(f.relative_to(path)).encode() + b"\0" if f != path else b"\0")
+            h.update((str(f.relative_to(path)) if f != path else "").encode() + b"\0")
             with open(f, "rb") as stream:
                 for block in iter(lambda: stream.read(1 << 20), b""):
                     h.update(block)
