@@ -122,7 +122,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
         plan(model, tp_mesh)  # a function of its own: the Hugging Face path
     _replicate_the_rest(model, tp_mesh)
     for owner, name, source_owner, source_name in ties:
-        setattr(owner, name, getattr(source_owner, source_name))
+        shared = getattr(source_owner, source_name)
+        if getattr(owner, name).placements != shared.placements:
+            raise ConfigError(f"trainer.tensor_parallel: {type(model).__name__} ties "
+                              f"{name!r} to {source_name!r}, but its plan splits them "
+                              "differently; untie them (e.g. model.tie_embeddings=false) or "
+                              "train with trainer.tensor_parallel=1")
+        setattr(owner, name, shared)
 
 
 def tp_plan_of(model: nn.Module) -> Any:
@@ -165,7 +171,8 @@ def check_tp_plan(task: Any, tp: int) -> None:
     if config is not None:
         heads = getattr(config, "num_attention_heads", None)
         check_tp_heads(tp, heads, getattr(config, "num_key_value_heads", None) or heads,
-                       where="model.path config.json's")
+                       names=("num_attention_heads", "num_key_value_heads (model.path's "
+                              "config.json)"))
 
 
 def _is_style(obj: Any) -> bool:
