@@ -429,17 +429,18 @@ def _check_hf_corpus_tokenizer(cfg: Any) -> None:
 
 
 def check_tp_heads(tp: int, heads: Optional[int], kv_heads: Optional[int],
-                   where: str = "model") -> None:
+                   names: tuple[str, str] = ("model.num_heads", "model.num_kv_heads")) -> None:
     """Under tensor parallelism each rank computes whole attention heads (and whole key/value
-    heads): `trainer.tensor_parallel` must divide both counts."""
+    heads): `trainer.tensor_parallel` must divide both counts (`names`: what the message calls
+    them)."""
     if tp <= 1:
         return
-    for name, count in (("num_heads", heads), ("num_kv_heads", kv_heads)):
+    for name, count in zip(names, (heads, kv_heads)):
         if count is not None and count % tp:
             fits = [d for d in range(1, count + 1) if count % d == 0 and
                     (heads is None or heads % d == 0) and (kv_heads is None or kv_heads % d == 0)]
-            raise ConfigError(f"trainer.tensor_parallel={tp} does not divide {where}.{name}="
-                              f"{count} (each rank computes whole heads); use one of "
+            raise ConfigError(f"trainer.tensor_parallel={tp} does not divide {name}={count} "
+                              f"(each rank computes whole heads); use one of "
                               f"{', '.join(map(str, fits))}")
 
 

@@ -183,3 +183,18 @@ def test_lora_on_a_tensor_parallel_base_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"trainer.tensor_parallel=2 with LoRA adapters is "
                                           r"refused"):
         check_tp_plan(_Task(factory), 2)
+
+
+def test_the_cli_refuses_a_tp_group_larger_than_a_node_in_one_line(tmp_path):
+    """One real CLI process: the layout check runs before the data is prepared, exit code 2,
+    one line, nothing written."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "paratrain", "train", "trainer.devices=cpu:2",
+                        "trainer.tensor_parallel=4", "model.preset=small", "run.name=tp"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        "paratrain: error: trainer.tensor_parallel=4 is more than the 2 process(es) per node: a "
+        "tensor-parallel group stays inside a node; use at most 2 (1, 2)"]
+    assert not (tmp_path / "runs").exists()

@@ -41,9 +41,8 @@ def build_hf(args: HFArgs) -> nn.Module:
         raise ConfigError(f"model.path={args.path!r} has vocab_size={config.vocab_size}, smaller "
                           f"than the tokenizer's {args.vocab_size}; raise it in config.json or "
                           "lower data.vocab_size")
-    from ..config_checks import has_weights
     auto = getattr(transformers, args.auto_class)
-    if has_weights(p):  # safetensors only: nothing from the path is unpickled
+    if loads_weights(p):  # safetensors only: nothing from the path is unpickled
         return auto.from_pretrained(p, local_files_only=True, use_safetensors=True)
     return auto.from_config(config)
 
@@ -100,6 +99,16 @@ def portable_config(folder: Path) -> None:
     if "dtype" in cfg:
         cfg.setdefault("torch_dtype", cfg["dtype"])
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def loads_weights(folder: Path) -> bool:
+    """Whether building the model reads the folder's weights: when it has safetensors, unless
+    the model is being built on the meta device (a check or a plan that needs its structure
+    only; transformers refuses `from_pretrained` there)."""
+    import torch
+
+    from ..config_checks import has_weights
+    return has_weights(folder) and torch.get_default_device().type != "meta"
 
 
 def save_hf(model: nn.Module, out_dir: Path, state: dict, tokenizer_path: Optional[Path]) -> None:

@@ -19,11 +19,10 @@ Order, as torchtitan composes them: TP -> activation checkpointing -> compile ->
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ContextManager, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,20 +30,18 @@ from torch import nn
 from ..dist import DistEnv
 from ..errors import ConfigError
 from .dims import ParallelDims, check_tensor_parallel
-from .precision import mixed_dtype
-from .strategies import Parallelism, resolve_parallelism
+from .strategies import FSDP, Parallelism, resolve_parallelism
 
 
 @dataclass(frozen=True)
-class TensorParallel(Parallelism):
+class TensorParallel(FSDP):
     """`trainer.tensor_parallel=N`: TP over the `tp` dimension of `dims`, and data parallelism
-    over the rest (`data`: ddp replicates, fsdp shards, hsdp both; `single` when there is none),
+    over the rest (`data`: ddp replicates, fsdp shards, hsdp both; single when there is none),
     through FSDP2 on the (dp_replicate, dp_shard) submesh: replicating is FSDP2 with shards of one
-    (torchtitan does the same), which keeps mixed precision, accumulation and the gradient
-    reductions one code path for every layout."""
+    (torchtitan does the same), which keeps mixed precision, accumulation (`no_sync`) and the
+    gradient reductions FSDP's, one code path for every layout."""
     dims: ParallelDims = field(default_factory=ParallelDims)
     data: Parallelism = field(default_factory=Parallelism)  # over the data-parallel processes
-    reshard_after_forward: bool = True
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -70,38 +67,12 @@ class TensorParallel(Parallelism):
 
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
              units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        kwargs: dict = {"mesh": mesh["dp_replicate", "dp_shard"],
-                        "reshard_after_forward": self.reshard_after_forward and self.sharded}
-        param_dtype = mixed_dtype(precision)
-        if param_dtype is not None:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                       reduce_dtype=torch.float32)
-        for unit in units:
-            fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
+        return super().wrap(model, env, precision=precision, units=units,
+                            mesh=mesh["dp_replicate", "dp_shard"])
 
     def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
                     units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         return self.wrap(model, env, precision=precision, units=units, mesh=mesh)
-
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-    def autocast(self, precision: str, device: torch.device) -> ContextManager:
-        return contextlib.nullcontext()  # FSDP2's MixedPrecisionPolicy casts
-
-    def grad_scaler(self, precision: str, device: torch.device) -> Optional[Any]:
-        if precision != "fp16-mixed":
-            return None
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        return ShardedGradScaler(device.type)
 
     def state_numel(self, shape: torch.Size, world: int, rank: int = 0) -> int:
         raise NotImplementedError("a tensor-parallel share depends on the layer, not the shape: "
@@ -131,7 +102,9 @@ def resolve_tensor_parallel(requested: str, tp: int, *, world_size: int, local_w
     dims = ParallelDims(base.dp_replicate, base.dp_shard, tp)
     why = ("auto: fsdp over the data-parallel processes" if requested == "auto" and dims.dp > 1
            else why if dims.dp > 1 else "no data parallelism left")
-    return (TensorParallel(dims=dims, data=data, reshard_after_forward=reshard_after_forward),
+    # with shards of one there is nothing to free after forward and gather again
+    reshard = reshard_after_forward and dims.dp_shard > 1
+    return (TensorParallel(dims=dims, data=data, reshard_after_forward=reshard),
             f"{why}; tensor parallel over {tp} processes of a node ({dims.label})")
 
 
@@ -149,7 +122,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
         plan(model, tp_mesh)  # a function of its own: the Hugging Face path
     _replicate_the_rest(model, tp_mesh)
     for owner, name, source_owner, source_name in ties:
-        setattr(owner, name, getattr(source_owner, source_name))
+        shared = getattr(source_owner, source_name)
+        if getattr(owner, name).placements != shared.placements:
+            raise ConfigError(f"trainer.tensor_parallel: {type(model).__name__} ties "
+                              f"{name!r} to {source_name!r}, but its plan splits them "
+                              "differently; untie them (e.g. model.tie_embeddings=false) or "
+                              "train with trainer.tensor_parallel=1")
+        setattr(owner, name, shared)
 
 
 def tp_plan_of(model: nn.Module) -> Any:
@@ -192,7 +171,8 @@ def check_tp_plan(task: Any, tp: int) -> None:
     if config is not None:
         heads = getattr(config, "num_attention_heads", None)
         check_tp_heads(tp, heads, getattr(config, "num_key_value_heads", None) or heads,
-                       where="model.path config.json's")
+                       names=("num_attention_heads", "num_key_value_heads (model.path's "
+                              "config.json)"))
 
 
 def _is_style(obj: Any) -> bool:
@@ -205,39 +185,35 @@ def llama_plan() -> dict:
     the norms sequence-parallel, q/k/v and w1/w3 by columns, wo and w2 by rows (reduce-scattered
     back to the sequence split); the final norm sequence-parallel; the head by vocabulary, its
     logits gathered whole."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-    to_stream = partial(RowwiseParallel, output_layouts=Shard(1), use_local_output=False)
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                          use_local_output=False),
-        "layers.*.attention_norm": SequenceParallel(),
-        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                 desired_input_layouts=(Replicate(), None)),
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": to_stream(),
-        "layers.*.ffn_norm": SequenceParallel(),
-        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                    desired_input_layouts=(Replicate(),)),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w3": ColwiseParallel(),
-        "layers.*.feed_forward.w2": to_stream(),
-        "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    }
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    return sequence_parallel_plan(
+        embedding="tok_embeddings", block_norms=("attention_norm", "ffn_norm"),
+        regions={"attention": 2, "feed_forward": 1},  # their inputs: (x, mask), (x,)
+        columns={f"attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")} |
+        {f"feed_forward.{n}": ColwiseParallel() for n in ("w1", "w3")},
+        rows=("attention.wo", "feed_forward.w2"), final_norm="norm")
 
 
 def gpt_plan() -> dict:
     """Our GPT: as Llama, with learned positions replicated (added to the sequence-split
     stream, each rank its own positions) and the fused q/k/v projection split in three strides,
     so a rank's slice holds its heads' rows of each of q, k and v."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    return {"wpe": Replicated(use_local_output=False), **sequence_parallel_plan(
+        embedding="wte", block_norms=("ln_1", "ln_2"), regions={"attn": 2, "mlp": 1},
+        columns={"attn.c_attn": FusedColwise(parts=3), "mlp.c_fc": ColwiseParallel()},
+        rows=("attn.c_proj", "mlp.c_proj"), final_norm="ln_f")}
+
+
+def sequence_parallel_plan(*, embedding: str, block_norms: Sequence[str],
+                           regions: dict[str, int], columns: dict[str, Any],
+                           rows: Sequence[str], final_norm: str) -> dict:
+    """The Megatron plan with sequence parallelism for a decoder whose blocks are
+    `layers.<i>` and whose head is `lm_head`: the stream between the regions (`regions`: the
+    attention and MLP modules, with how many positional inputs each takes) is split along the
+    sequence; a region gathers it whole on entry, its `columns` projections split by output
+    features (styles given), its `rows` projections by input features, their partial sums
+    reduce-scattered back to the sequence split."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -245,24 +221,20 @@ def gpt_plan() -> dict:
         RowwiseParallel,
         SequenceParallel,
     )
-    to_stream = partial(RowwiseParallel, output_layouts=Shard(1), use_local_output=False)
-    return {
-        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                               use_local_output=False),
-        "wpe": Replicated(use_local_output=False),
-        "layers.*.ln_1": SequenceParallel(),
-        "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
-        "layers.*.attn.c_attn": FusedColwise(parts=3),
-        "layers.*.attn.c_proj": to_stream(),
-        "layers.*.ln_2": SequenceParallel(),
-        "layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),),
-                                           desired_input_layouts=(Replicate(),)),
-        "layers.*.mlp.c_fc": ColwiseParallel(),
-        "layers.*.mlp.c_proj": to_stream(),
-        "ln_f": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    }
+    plan: dict = {embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                             use_local_output=False)}
+    for norm in block_norms:
+        plan[f"layers.*.{norm}"] = SequenceParallel()
+    for region, inputs in regions.items():  # (x, mask): only x is the stream
+        rest = (None,) * (inputs - 1)
+        plan[f"layers.*.{region}"] = PrepareModuleInput(
+            input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+    plan.update({f"layers.*.{name}": style for name, style in columns.items()})
+    plan.update({f"layers.*.{name}": RowwiseParallel(output_layouts=Shard(1),
+                                                     use_local_output=False) for name in rows})
+    plan[final_norm] = SequenceParallel()
+    plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    return plan
 
 
 # ---- two styles torch does not have -------------------------------------------------------------

@@ -233,8 +233,10 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
     log(env, f"{task.describe(n_params)}; strategy {plan.parallelism.name}{extras} "
              f"({plan.parallelism_reason}); {env.world_size} worker(s) on {env.device.type}; "
              f"precision {plan.precision}")
-    split = f"{env.world_size} workers" if plan.dims.tp == 1 else \
-        f"{plan.dims.dp} data-parallel groups (of {plan.dims.tp} tensor-parallel workers)"
+    dims = plan.dims
+    split = f"{env.world_size} workers" if dims.tp == 1 else \
+        f"{dims.dp} data-parallel group{'s' if dims.dp > 1 else ''} of {dims.tp} " \
+        "tensor-parallel workers"
     log(env, f"batch: {tr.batch_size} per device x {split} x {plan.accum} "
              f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps "
              f"({plan.steps_per_epoch} per epoch)")

@@ -24,7 +24,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..formatting import human_count
-from ..models.hf import quiet_transformers
+from ..models.hf import loads_weights, quiet_transformers
 from .base import NO_FROZEN, Frozen, to_device, training_smoothing
 from .hf import Encoder, PretrainedTask
 
@@ -147,7 +147,7 @@ def load_classifier(path: Optional[str], label_names: Sequence[str], pad_id: int
                           f"its tokenizer's {vocab_size} tokens; use the model's own tokenizer")
     auto = transformers.AutoModelForSequenceClassification
     try:
-        if any((p / n).exists() for n in ("model.safetensors", "model.safetensors.index.json")):
+        if loads_weights(p):
             return auto.from_pretrained(p, local_files_only=True, use_safetensors=True,
                                         ignore_mismatched_sizes=True, **labels)
         for key, value in labels.items():
