@@ -236,3 +236,19 @@ def test_trainer_with_a_model_folder_and_a_data_file_reads_the_file(tiny, tmp_pa
     assert t.given is None
     assert (t.cfg.data.source, t.cfg.data.val_source, t.cfg.data.format) == \
         ("reviews.jsonl", "reviews-val.jsonl", "classify")
+
+
+def test_a_tokenizer_larger_than_the_embeddings_is_refused_before_launch(tiny, tmp_path):
+    """data.tokenizer=DIR with more ids than the model's vocab_size: one line from the task's
+    preparation (the launching process), not a failure in every worker's model build."""
+    from paratrain.tasks.causal_lm import PairsTask
+    from tests.conftest import make_hf_tokenizer
+    from tests.e2e._tiny_model import make_pairs
+    big = make_hf_tokenizer(tmp_path / "big", [r["input"] + " " + r["output"]
+                                               for r in make_pairs(200)], vocab_size=600)
+    cfg = _pairs(tiny, f"data.tokenizer={big}")
+    tok = transformers.AutoTokenizer.from_pretrained(big)
+    assert len(tok) > 402
+    with pytest.raises(ConfigError, match=rf"data.tokenizer={big} has {len(tok)} tokens but "
+                                          r"model.path's embeddings hold 402"):
+        PairsTask.check_fits(cfg, tok)
