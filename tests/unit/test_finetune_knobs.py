@@ -104,8 +104,11 @@ def test_trainer_keyword_of_another_section_points_to_overrides(tiny):
     from paratrain import Trainer
     with pytest.raises(ConfigError, match=r'pass overrides=\["model.lora.r=8"\]'):
         Trainer(model=str(tiny), train_input=["a"], train_output=["b"], lora=8)
-    with pytest.raises(ConfigError, match=r'overrides=\["data.shuffle=false"\]'):
-        Trainer(model=str(tiny), train_input=["a"], train_output=["b"], shuffle=False)
+    with pytest.raises(ConfigError, match=r'overrides=\["data.pack=true"\]'):
+        Trainer(model=str(tiny), train_input=["a"], train_output=["b"], pack=True)
+    t = Trainer(model=str(tiny), train_input=["a"], train_output=["b"], shuffle=False,
+                drop_last=False, optimizer="sgd")  # keywords of their own
+    assert (t.cfg.data.shuffle, t.cfg.data.drop_last, t.cfg.optim.name) == (False, False, "sgd")
 
 
 def test_the_stopped_line_names_the_snapshots_step_once(tmp_path):
