@@ -113,6 +113,18 @@ def model_config(path: Optional[str]) -> dict:
     return info if isinstance(info, dict) else {}
 
 
+def check_embeddings(cfg: Any, vocab_size: int) -> None:
+    """A tokenizer with more ids than model.path's embeddings (vocab_size in its config.json)
+    is refused in one line, before any worker starts (building the model would fail in each)."""
+    model_vocab = model_config(cfg.model.path).get("vocab_size")
+    if isinstance(model_vocab, int) and vocab_size > model_vocab:
+        where = (f"data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer != "auto"
+                 else "model.path's tokenizer")
+        raise ConfigError(f"{where} has {vocab_size} tokens but model.path's embeddings hold "
+                          f"{model_vocab} (vocab_size in its config.json): ids beyond that have "
+                          "no embedding; use the tokenizer the model was trained with")
+
+
 def check_weights(folder: str | os.PathLike) -> None:
     """Refuse, before any worker starts, a safetensors file in model.path that cannot be read
     whole: its header must parse and its tensors must end within the file (a download or copy

@@ -70,8 +70,9 @@ class Trainer:
     of your own (tasks/base.py: the model, data, loss, frozen models and how to save), trained
     as it is. Keyword arguments set `trainer.*`
     and `optim.*` keys by name (devices=, strategy=, batch_size=, lr=, ...; optim.name is
-    `optimizer=`), plus `run_dir=`, `run_name=`, `overwrite=`; `distributed_config={...}` sets
-    `distributed.*`; `overrides=[...]` takes dotted keys."""
+    `optimizer=`), plus `shuffle=`, `drop_last=` (data.*), `run_dir=`, `run_name=`,
+    `overwrite=`; `distributed_config={...}` sets `distributed.*`; `overrides=[...]` takes
+    dotted keys."""
 
     def __init__(self, cfg: Optional[TrainConfig] = None, *, overrides: Sequence[str] = (),
                  model: Optional[Callable[[], nn.Module]] = None, train_data: Any = None,
@@ -123,7 +124,8 @@ class Trainer:
         sections = {**{k: "trainer" for k in TrainConfig().trainer.__dataclass_fields__},
                     **{k: "optim" for k in TrainConfig().optim.__dataclass_fields__},
                     "run_dir": "run.dir", "run_name": "run.name", "overwrite": "run.overwrite",
-                    "optimizer": "optim.name"}
+                    "optimizer": "optim.name", "shuffle": "data.shuffle",
+                    "drop_last": "data.drop_last"}
         del sections["name"]  # optim.name is optimizer=: name= would read as the run's
         dotted = list(overrides)
         for k, v in kwargs.items():
@@ -310,7 +312,7 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
 
 def _unknown_keyword(name: str, value: Any, known: list[str]) -> str:
     """The line for a keyword Trainer does not take; when it names a key of another section
-    (lora= is model.lora.r, shuffle= is data.shuffle), the overrides= spelling that works."""
+    (lora= is model.lora.r, pack= is data.pack), the overrides= spelling that works."""
     from .formatting import flatten
     keys = flatten(TrainConfig().to_dict())
     dotted = [k for k in keys if k.endswith("." + name)] or \

@@ -93,13 +93,14 @@ def test_every_command_and_python_block_runs_as_printed(user_folder):
         if args[1] == "generate":
             prompt = args[args.index("--prompt") + 1]
             lines = r.stdout.rstrip("\n").split("\n")
-            run = json.loads(json.dumps(args[2]))
-            if run.endswith("classify"):  # a classifier prints the label
+            if args[2].endswith("classify"):  # a classifier prints the label
                 assert lines == [lines[0]] and lines[0] in ("positive", "negative"), r.stdout
             else:  # the prompt, then the reply on a line of its own
                 assert lines[0] == prompt and len(lines) >= 2, r.stdout
         elif "model.lora.r=8" in args:
             assert "LoRA: adapters on 4 modules (q_proj x2, v_proj x2)" in r.stderr, r.stderr
+        elif "data.format=chat" in args:  # no val_source: the log says what was held out
+            assert "validation: 4 of 200 examples held out (data.val_fraction=0.02)" in r.stderr
     runs = user_folder / "runs"
     names = {p.name for p in runs.iterdir()}
     assert {"my-model-pairs", "my-model-pairs-lora", "my-model-chat",
@@ -113,4 +114,8 @@ def test_every_command_and_python_block_runs_as_printed(user_folder):
         assert r.returncode == 0, (code, r.stderr[-3000:])
         assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert (runs / "api-lora" / "adapter" / "adapter_model.safetensors").is_file()
-    assert (runs / "api-classify" / "summary.json").is_file()
+    # model/ as transformers 4.4x reads it too (docs/transformers-compat.md)
+    model_dir = runs / "my-model-pairs" / "model"
+    assert json.loads((model_dir / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        "PreTrainedTokenizerFast"
+    assert json.loads((model_dir / "config.json").read_text())["rope_theta"] == 10000.0

@@ -104,8 +104,11 @@ def test_trainer_keyword_of_another_section_points_to_overrides(tiny):
     from paratrain import Trainer
     with pytest.raises(ConfigError, match=r'pass overrides=\["model.lora.r=8"\]'):
         Trainer(model=str(tiny), train_input=["a"], train_output=["b"], lora=8)
-    with pytest.raises(ConfigError, match=r'overrides=\["data.shuffle=false"\]'):
-        Trainer(model=str(tiny), train_input=["a"], train_output=["b"], shuffle=False)
+    with pytest.raises(ConfigError, match=r'overrides=\["data.pack=true"\]'):
+        Trainer(model=str(tiny), train_input=["a"], train_output=["b"], pack=True)
+    t = Trainer(model=str(tiny), train_input=["a"], train_output=["b"], shuffle=False,
+                drop_last=False, optimizer="sgd")  # keywords of their own
+    assert (t.cfg.data.shuffle, t.cfg.data.drop_last, t.cfg.optim.name) == (False, False, "sgd")
 
 
 def test_the_stopped_line_names_the_snapshots_step_once(tmp_path):
@@ -236,3 +239,19 @@ def test_trainer_with_a_model_folder_and_a_data_file_reads_the_file(tiny, tmp_pa
     assert t.given is None
     assert (t.cfg.data.source, t.cfg.data.val_source, t.cfg.data.format) == \
         ("reviews.jsonl", "reviews-val.jsonl", "classify")
+
+
+def test_a_tokenizer_larger_than_the_embeddings_is_refused_before_launch(tiny, tmp_path):
+    """data.tokenizer=DIR with more ids than the model's vocab_size: one line from the task's
+    preparation (the launching process), not a failure in every worker's model build."""
+    from paratrain.tasks.causal_lm import PairsTask
+    from tests.conftest import make_hf_tokenizer
+    from tests.e2e._tiny_model import make_pairs
+    big = make_hf_tokenizer(tmp_path / "big", [r["input"] + " " + r["output"]
+                                               for r in make_pairs(200)], vocab_size=600)
+    cfg = _pairs(tiny, f"data.tokenizer={big}")
+    tok = transformers.AutoTokenizer.from_pretrained(big)
+    assert len(tok) > 402
+    with pytest.raises(ConfigError, match=rf"data.tokenizer={big} has {len(tok)} tokens but "
+                                          r"model.path's embeddings hold 402"):
+        PairsTask.check_fits(cfg, tok)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
-from ..config_checks import model_config, resolve_tokenizer
+from ..config_checks import check_embeddings, resolve_tokenizer
 from ..data.encoded import Encoded, fingerprint, load_or_encode
 from ..data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from ..dist import DistEnv
@@ -144,12 +144,7 @@ class PretrainedTask(NoFrozenModels):
     def check_fits(cls, cfg: TrainConfig, tokenizer: Any) -> None:
         """Before the data is read: the tokenizer's ids fit the model's embeddings, and every
         LoRA target names a module (on a meta-device copy: nothing loaded)."""
-        vocab = model_config(cfg.model.path).get("vocab_size")
-        if isinstance(vocab, int) and len(tokenizer) > vocab:
-            where = "data.tokenizer" if cfg.data.tokenizer != "auto" else "model.path's tokenizer"
-            raise ConfigError(f"{where} has {len(tokenizer)} tokens but model.path's embeddings "
-                              f"hold {vocab} (vocab_size in its config.json): ids beyond that "
-                              "have no embedding; use the tokenizer the model was trained with")
+        check_embeddings(cfg, len(tokenizer))
         if cfg.model.lora.r:
             from .lora import check_targets
             model = cls.meta_model(cfg)

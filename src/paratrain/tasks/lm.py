@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from torch import nn
 
 from ..config import TrainConfig
-from ..config_checks import has_weights
+from ..config_checks import check_embeddings, has_weights
 from ..data.cache import PreparedData
 from ..dist import DistEnv
 from ..formatting import human_count
@@ -48,6 +48,7 @@ class LMTask(NoFrozenModels, TokenLoss):
             prepared = wait_for_data(data, cfg.cache_dir, timeout_s=3600.0)
         if cfg.model.arch == "hf":
             log(hf_tokenizer_line(cfg, data.tokenizer, prepared.vocab_size))
+            check_embeddings(cfg, prepared.vocab_size)  # in the launching process: before launch
         vocab = cfg.model.vocab_size or prepared.vocab_size  # the tokenizer's
         args = HFArgs(cfg.model.path, vocab) if cfg.model.arch == "hf" else \
             resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
