@@ -18,6 +18,7 @@ from .errors import ConfigError
 from .formatting import one_of
 from .models.presets import ARCHS, resolve_model_config
 from .tasks import registry
+from .tasks.registry import model_config  # one home: the registry reads config.json too
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
@@ -69,14 +70,22 @@ def resolve_tokenizer(data: Any, model: Any = None) -> str:
 
 def default_run_name(cfg: Any) -> str:
     """run.name when unset: a fine-tuning run is named after its model folder and data.format
-    (`my-model-pairs`, `-lora` with adapters), so that two fine-tunes of different models, or of
-    one model on different tasks, do not land in one run dir; anything else is stdlib-llama."""
+    (`my-model-pairs`, `-lora` with adapters), and the objective when it is not the format's
+    first (`my-model-preference-reward`, `t5-pairs-seq2seq`), so that two fine-tunes of
+    different models, or of one model on different tasks, do not land in one run dir; anything
+    else is stdlib-llama."""
     spec = registry.get(cfg.data.format) if cfg.data.format in registry.names() else None
     if spec is None or not spec.pretrained or not cfg.model.path:
         return PRETRAINING_RUN_NAME
     folder = Path(cfg.model.path).expanduser()
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", (folder.name or folder.resolve().name)).strip("-.")
-    return f"{stem or 'model'}-{cfg.data.format}" + ("-lora" if cfg.model.lora.r else "")
+    try:
+        chosen = registry.for_config(cfg)
+    except ConfigError:  # validate says why, in its own words
+        chosen = spec
+    return (f"{stem or 'model'}-{cfg.data.format}"
+            + (f"-{chosen.objective}" if chosen is not spec else "")
+            + ("-lora" if cfg.model.lora.r else ""))
 
 
 def model_positions(path: Optional[str]) -> Optional[int]:
@@ -101,16 +110,6 @@ def has_tokenizer(folder: str | os.PathLike) -> bool:
     """The folder holds a tokenizer saved with save_pretrained (one of TOKENIZER_MARKERS)."""
     p = Path(folder).expanduser()
     return p.is_dir() and any((p / name).is_file() for name in TOKENIZER_MARKERS)
-
-
-def model_config(path: Optional[str]) -> dict:
-    """model.path's config.json as a dict ({} when missing or broken: loading says why)."""
-    p = Path(str(path)).expanduser()
-    try:
-        info = json.loads((p / "config.json" if p.is_dir() else p).read_text())
-    except (OSError, ValueError):
-        return {}
-    return info if isinstance(info, dict) else {}
 
 
 def check_embeddings(cfg: Any, vocab_size: int) -> None:

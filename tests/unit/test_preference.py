@@ -204,3 +204,34 @@ def test_the_api_lists_must_line_up(tmp_path):
                 objective="reward")
     assert (t.cfg.data.format, t.cfg.trainer.objective) == ("preference", "reward")
     assert t.given.train == [{"prompt": "a", "chosen": "c", "rejected": "e"}]
+
+
+def test_reward_figures_have_tensorboard_tags_of_their_own():
+    from paratrain.records.loggers import scalars
+    record = {"step": 3, "loss": 0.6, "rewards/chosen": 0.5, "accuracy": 0.75,
+              "val_rewards/margin": 1.0, "val_accuracy": 0.9, "val_samples": 41}
+    assert scalars(record) == {"train/loss": 0.6, "train/rewards/chosen": 0.5,
+                               "train/accuracy": 0.75, "val/rewards/margin": 1.0,
+                               "val/accuracy": 0.9, "val/samples": 41.0}
+
+
+def test_a_reward_model_needs_a_model_that_can_get_a_score_head(tmp_path):
+    from paratrain.dist import DistEnv
+    from paratrain.runtime.rank import prepare_task
+    t5 = make_hf_tokenizer(tmp_path / "t5", ["the red cat"] * 5, vocab_size=280, pad=True)
+    (t5 / "config.json").write_text(json.dumps({
+        "model_type": "t5", "is_encoder_decoder": True, "vocab_size": 300, "d_model": 8,
+        "d_kv": 4, "d_ff": 8, "num_layers": 1, "num_heads": 2}))
+    cfg = _cfg(t5, "trainer.objective=reward", f"data.source={tmp_path / 'none.jsonl'}")
+    with pytest.raises(ConfigError, match=r"\(t5\) cannot get a one-score sequence-"
+                                          "classification head"):
+        prepare_task(cfg, DistEnv.single("cpu"), quiet=True)
+
+
+def test_run_names_say_an_objective_that_is_not_the_formats_default(tmp_path):
+    llama = _model_folder(tmp_path, "my-model", model_type="llama", vocab_size=300)
+    t5 = _model_folder(tmp_path, "t5-small", model_type="t5", is_encoder_decoder=True)
+    assert _cfg(llama).run.name == "my-model-preference"
+    assert _cfg(llama, "trainer.objective=dpo").run.name == "my-model-preference"
+    assert _cfg(llama, "trainer.objective=reward").run.name == "my-model-preference-reward"
+    assert _cfg(t5, "data.format=pairs", "model.lora.r=4").run.name == "t5-small-pairs-seq2seq-lora"

@@ -38,7 +38,7 @@ from .memory import SavedTensorMeter, local_bytes
 from .memory_plan import MARGIN, Choice, Estimate, choose
 from .precision import mixed_dtype, prepare_model
 from .strategies import Parallelism, parallelize, resolve_parallelism
-from .tensor import TensorParallel, resolve_tensor_parallel
+from .tensor import resolve_tensor_parallel
 
 META = torch.device("meta")
 COLLECTIVES = {"all_gather_into_tensor": "all-gather", "reduce_scatter_tensor": "reduce-scatter",

@@ -63,8 +63,9 @@ def scalars(record: dict) -> dict[str, float]:
     for key, value in record.items():
         if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if math.isfinite(value):
-            out[TAGS.get(key, f"train/{key}")] = float(value)
+        if math.isfinite(value):  # a task's validation figures (val_accuracy) go under val/
+            default = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+            out[TAGS.get(key, default)] = float(value)
     return out
 
 

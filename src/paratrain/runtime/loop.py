@@ -291,7 +291,8 @@ class TrainLoop:
         self.optimizer.zero_grad(set_to_none=True)
         if not self.counts_sums:  # a tensor-parallel peer: the group's first rank counts these
             loss_sum, units, counts = torch.zeros(()), 0, dict.fromkeys(counts, 0.0)
-        return float(loss_sum), float(units), float(norm), global_units, counts
+        return (float(loss_sum), float(units), float(norm), global_units,
+                {k: float(v) for k, v in counts.items()})
 
     def _stand_in_batch(self) -> Any:
         """One training sample, collated: what a rank runs for an empty micro-batch."""
@@ -377,11 +378,11 @@ class _CollateOrNone:
 
 
 def _add_counts(total: dict, *more: dict) -> dict:
-    """Counts summed key by key (a new dict)."""
+    """Counts (numbers, or 0-dim tensors kept on the device) summed key by key (a new dict)."""
     out = dict(total)
     for counts in more:
         for key, value in counts.items():
-            out[key] = out.get(key, 0.0) + float(value)
+            out[key] = out.get(key, 0.0) + value
     return out
 
 

@@ -72,13 +72,49 @@ DPO_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
     "sigmoid": _sigmoid, "ipo": _ipo, "hinge": _hinge}  # registry.DPO_LOSSES names them
 
 
-@dataclass
-class DPOTask(CausalLMTask):
-    """Preference pairs on a causal LM against a reference (module docstring)."""
+class PairTask:
+    """What DPO and reward models share: a pair is the loss unit (its chosen and rejected rows
+    in one batch), and the reward figures come from `train_counts` (which the subclass gives)
+    for training and validation alike."""
     sample_name: ClassVar[str] = "pairs"
     unit_name: ClassVar[str] = "pairs"
     perplexity: ClassVar[bool] = False
     units_per_sample: ClassVar[Optional[int]] = 1  # one loss unit per pair
+
+    @classmethod
+    def dataset(cls, examples: list) -> Any:
+        from ..data.preference import preference_dataset
+        return preference_dataset(examples)
+
+    def count_units(self, batch: dict) -> int:
+        return int(batch["input_ids"].shape[0]) // 2
+
+    def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
+                     amp: ContextManager, frozen: Frozen = NO_FROZEN
+                     ) -> tuple[torch.Tensor, int, dict]:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: dict, device: torch.device,
+             amp: ContextManager, frozen: Frozen = NO_FROZEN) -> tuple[torch.Tensor, int]:
+        s, n, _ = self.train_counts(model, batch, device, amp, frozen)
+        return s, n
+
+    def eval_counts(self, model: nn.Module, batch: dict, device: torch.device,
+                    amp: ContextManager, frozen: Frozen = NO_FROZEN
+                    ) -> tuple[torch.Tensor, int, dict]:
+        return self.train_counts(model, batch, device, amp, frozen)
+
+    def train_metrics(self, counts: dict) -> dict:
+        return reward_metrics(counts)
+
+    def eval_metrics(self, counts: dict) -> dict:
+        return {**{f"val_{k}": v for k, v in reward_metrics(counts).items()},
+                "val_samples": int(counts.get("samples", 0))}
+
+
+@dataclass
+class DPOTask(PairTask, CausalLMTask):
+    """Preference pairs on a causal LM against a reference (module docstring)."""
 
     def __post_init__(self) -> None:
         self.reference = Reference.of(self.cfg)
@@ -96,11 +132,6 @@ class DPOTask(CausalLMTask):
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
         from ..data.preference import encode_dpo
         return PairEncoder(encode_dpo, cfg, tokenizer, notes)
-
-    @classmethod
-    def dataset(cls, examples: list) -> Any:
-        from ..data.preference import preference_dataset
-        return preference_dataset(examples)
 
     @property
     def collate(self) -> Callable[[list], Any]:
@@ -133,14 +164,6 @@ class DPOTask(CausalLMTask):
                            len(self.tokenizer),
                            build_frozen=_FrozenProbe(self.cfg, reference) if held else None)
 
-    def count_units(self, batch: dict) -> int:
-        return int(batch["input_ids"].shape[0]) // 2
-
-    def loss(self, model: nn.Module, batch: dict, device: torch.device,
-             amp: ContextManager, frozen: Frozen = NO_FROZEN) -> tuple[torch.Tensor, int]:
-        s, n, _ = self.train_counts(model, batch, device, amp, frozen)
-        return s, n
-
     def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
                      amp: ContextManager, frozen: Frozen = NO_FROZEN
                      ) -> tuple[torch.Tensor, int, dict]:
@@ -156,8 +179,6 @@ class DPOTask(CausalLMTask):
         rewards = self.cfg.dpo.beta * ratio.detach()  # (2B,)
         return losses.sum(), B, reward_counts(rewards[:B], rewards[B:])
 
-    eval_counts = train_counts  # validation counts the same figures
-
     def reference_logps(self, model: nn.Module, batch: dict, amp: ContextManager,
                         frozen: Frozen) -> torch.Tensor:
         """(2B,) the reference's summed response log-probs for the batch's rows."""
@@ -168,13 +189,6 @@ class DPOTask(CausalLMTask):
             with peft_model.disable_adapter():
                 return sequence_logps(peft_model, batch, amp)
         return sequence_logps(frozen["reference"], batch, amp)
-
-    def train_metrics(self, counts: dict) -> dict:
-        return reward_metrics(counts)
-
-    def eval_metrics(self, counts: dict) -> dict:
-        return {**{f"val_{k}": v for k, v in reward_metrics(counts).items()},
-                "val_samples": int(counts.get("samples", 0))}
 
     def describe(self, n_params: int) -> str:
         p = self.cfg.dpo
@@ -231,9 +245,10 @@ def adapters_of(model: nn.Module) -> nn.Module:
 
 
 def reward_counts(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
-    """Sums over pairs of the chosen and rejected rewards (B,) and of right preferences."""
-    return {"chosen": float(chosen.sum()), "rejected": float(rejected.sum()),
-            "correct": float((chosen > rejected).sum()), "samples": float(chosen.numel())}
+    """Sums over pairs of the chosen and rejected rewards (B,) and of right preferences (0-dim
+    tensors, left on the device: the loop reads them once per step)."""
+    return {"chosen": chosen.sum().double(), "rejected": rejected.sum().double(),
+            "correct": (chosen > rejected).sum().double(), "samples": float(chosen.numel())}
 
 
 def reward_metrics(counts: dict) -> dict:

@@ -107,12 +107,14 @@ def for_config(cfg: Any) -> TaskSpec:
 
 
 def model_config(path: Optional[str]) -> dict:
-    """A model folder's config.json as a dict ({} when missing or broken: loading says why)."""
+    """A model folder's config.json (or that file) as a dict ({} when missing or broken:
+    loading says why)."""
+    folder = Path(str(path)).expanduser()
     try:
-        folder = Path(str(path)).expanduser()
-        return json.loads((folder / "config.json" if folder.is_dir() else folder).read_text())
+        info = json.loads((folder / "config.json" if folder.is_dir() else folder).read_text())
     except (OSError, ValueError):
         return {}
+    return info if isinstance(info, dict) else {}
 
 
 def names(pretrained: Optional[bool] = None) -> tuple[str, ...]:
@@ -238,7 +240,7 @@ register(TaskSpec(
 register(TaskSpec(
     "preference", "paratrain.tasks.preference:DPOTask", pretrained=True, objective="dpo",
     record_fields=PREFERENCE_FIELDS, checks=(_check_preference, _check_dpo),
-    generate="paratrain.models.hf:generate_hf",
+    generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as pairs' inputs
     summary="DPO: a pretrained causal LM on prompt/chosen/rejected records, against a frozen "
             "reference"))
 register(TaskSpec(

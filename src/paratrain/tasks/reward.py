@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, ContextManager, Optional
+from typing import Any, Callable, ClassVar, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -27,18 +27,14 @@ from ..formatting import human_count
 from .base import NO_FROZEN, Frozen, to_device
 from .classify import load_classifier
 from .hf import Encoder, PretrainedTask, quiet_transformers
-from .preference import PairEncoder, reward_counts, reward_metrics
+from .preference import PairEncoder, PairTask, reward_counts
 
 SCORE_LABEL = "score"  # the head's one output, named in config.json's id2label
 
 
 @dataclass
-class RewardTask(PretrainedTask):
+class RewardTask(PairTask, PretrainedTask):
     """Preference pairs on a one-score sequence-classification model (module docstring)."""
-    sample_name: ClassVar[str] = "pairs"
-    unit_name: ClassVar[str] = "pairs"
-    perplexity: ClassVar[bool] = False
-    units_per_sample: ClassVar[Optional[int]] = 1
     lora_task_type: ClassVar[str] = "SEQ_CLS"  # peft trains the new head in full
 
     @classmethod
@@ -61,11 +57,6 @@ class RewardTask(PretrainedTask):
         from ..data.preference import encode_reward
         return PairEncoder(encode_reward, cfg, tokenizer, notes)
 
-    @classmethod
-    def dataset(cls, examples: list) -> Any:
-        from ..data.preference import preference_dataset
-        return preference_dataset(examples)
-
     @property
     def collate(self) -> Callable[[list], Any]:
         from ..data.preference import PairCollate
@@ -74,14 +65,6 @@ class RewardTask(PretrainedTask):
     def load_pretrained(self) -> nn.Module:
         return load_classifier(self.cfg.model.path, [SCORE_LABEL], self.tokenizer.pad_token_id,
                                len(self.tokenizer))
-
-    def count_units(self, batch: dict) -> int:
-        return int(batch["input_ids"].shape[0]) // 2
-
-    def loss(self, model: nn.Module, batch: dict, device: torch.device,
-             amp: ContextManager, frozen: Frozen = NO_FROZEN) -> tuple[torch.Tensor, int]:
-        s, n, _ = self.train_counts(model, batch, device, amp, frozen)
-        return s, n
 
     def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
                      amp: ContextManager, frozen: Frozen = NO_FROZEN
@@ -94,15 +77,6 @@ class RewardTask(PretrainedTask):
         B = scores.shape[0] // 2
         losses = -F.logsigmoid(scores[:B] - scores[B:] - batch["margin"])  # (B,)
         return losses.sum(), B, reward_counts(scores[:B].detach(), scores[B:].detach())
-
-    eval_counts = train_counts
-
-    def train_metrics(self, counts: dict) -> dict:
-        return reward_metrics(counts)
-
-    def eval_metrics(self, counts: dict) -> dict:
-        return {**{f"val_{k}": v for k, v in reward_metrics(counts).items()},
-                "val_samples": int(counts.get("samples", 0))}
 
     def describe(self, n_params: int) -> str:
         return (f"reward model hf ({self.cfg.model.path}, one-score head): "
