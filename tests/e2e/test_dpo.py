@@ -284,3 +284,34 @@ def test_plan_counts_the_reference(tmp_path, llama, data, capsys):
     assert lora["ddp"]["frozen_bytes"] == pre["ddp"]["frozen_bytes"] == 0
     assert 0 < lora["ddp"]["optimizer_bytes"] < 0.2 * full["ddp"]["optimizer_bytes"]
     assert pre["ddp"]["device_bytes"] == full["ddp"]["device_bytes"] - params
+
+
+@pytest.mark.slow
+def test_bad_preference_input_is_one_line_exit_2_and_writes_nothing(tmp_path, llama, data):
+    """One real CLI process per kind of error (the rest are checked in-process in
+    tests/unit/test_preference.py): a bad key, and data with nothing to prefer."""
+    train, val = data
+    r = run_cli(dpo_args(llama, train, val, tmp_path / "r1", **{"dpo.beta": -1}), cwd=tmp_path)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1] == "paratrain: error: dpo.beta=-1.0 must be positive (the DPO paper uses " \
+                        "0.1 to 0.5)", r.stderr[-2000:]
+    same = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "a", "chosen": " b", "rejected": " b"}
+                                                 for _ in range(8)])
+    r = run_cli(dpo_args(llama, same, val, tmp_path / "r2"), cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "every pair of" in r.stderr.strip().splitlines()[-1] and "chosen = rejected" in \
+        r.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+
+@pytest.mark.slow
+def test_dpo_example_runs_with_lora(tmp_path, llama):
+    pytest.importorskip("peft")
+    r = run_cli([str(REPO / "examples" / "dpo.py"), str(llama), "--pairs", "120", "--steps",
+                 "4", "--run-dir", str(tmp_path / "run")], cwd=tmp_path, timeout=300,
+                launcher=[sys.executable])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "reward accuracy" in r.stdout and "reward margin" in r.stdout
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    assert read_summary(tmp_path / "run")["world_size"] == 2

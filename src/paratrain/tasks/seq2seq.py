@@ -81,12 +81,13 @@ class Seq2SeqTask(TokenLoss, PretrainedTask):
 class _EncodeSeq2Seq(Encoder):
     def __init__(self, cfg: Any, tokenizer: Any, notes: list):
         self.data, self.tokenizer, self.notes = cfg.data, tokenizer, notes
+        self.max_length = cfg.max_length  # data.max_length, or the model's limit
 
     def __call__(self, rows: list, source_name: str) -> list:
         from ..data.seq2seq import encode_seq2seq
         d = self.data
         examples, stats = encode_seq2seq(rows, self.tokenizer, input_field=d.input_field,
-                                         output_field=d.output_field, max_length=d.max_length,
+                                         output_field=d.output_field, max_length=self.max_length,
                                          source_name=source_name)
         self.notes.append(stats.summary())
         return examples
