@@ -32,13 +32,14 @@ import torch
 from torch import nn
 
 from ..dist import DistEnv
+from ..errors import ConfigError
 from ..formatting import human_bytes
 from .fake_world import fake_world
 from .memory import SavedTensorMeter, local_bytes
 from .memory_plan import MARGIN, Choice, Estimate, choose
 from .precision import mixed_dtype, prepare_model
 from .strategies import Parallelism, parallelize, resolve_parallelism
-from .tensor import TensorParallel, resolve_tensor_parallel
+from .tensor import resolve_tensor_parallel
 
 META = torch.device("meta")
 COLLECTIVES = {"all_gather_into_tensor": "all-gather", "reduce_scatter_tensor": "reduce-scatter",
@@ -323,6 +324,10 @@ def target_of(cfg: Any) -> Target:
 def plan_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
     """(rows, target, auto's pick, workload) for a TrainConfig with one of our models."""
     from ..models import build_model, resolve_model_config
+    if cfg.model.arch not in ("llama", "gpt"):
+        raise ConfigError(f"paratrain plan simulates our llama and gpt models (a preset, or "
+                          f"model.* sizes), not model.arch={cfg.model.arch} yet; drop the plan.* "
+                          "keys and trainer.tensor_parallel to plan this machine")
     target = target_of(cfg)
     tr = cfg.trainer
     args = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
