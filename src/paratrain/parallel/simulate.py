@@ -182,9 +182,10 @@ def _state(work: Workload, blocks: int, parallelism: Parallelism, target: Target
     dims = parallelism.layout(target.world)
     with fake_world(target.world):
         model = _model(work, blocks)
-        if dims.dp_shard > 1 or dims.tp > 1:  # (a replica holds the module as it is; DDP's
-            model = parallelize(model, parallelism, _env(target),  # checks need real data)
-                                precision=work.precision)
+        # a replica (single, DDP) holds the module as it is, and DDP's start-up checks read
+        # real data: only what splits the parameters is applied
+        if dims.dp_shard > 1 or dims.tp > 1:
+            model = parallelize(model, parallelism, _env(target), precision=work.precision)
         named = dict(model.named_parameters())
     return {"params": local_bytes(named.values()), "tensors": len(named),
             "numel": sum(_local_numel(p) for p in named.values()),
