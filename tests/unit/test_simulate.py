@@ -66,7 +66,8 @@ def test_parameter_bytes_per_device_are_exactly_each_tensors_split(preset, nodes
                                   "data.seq_length=32", "trainer.batch_size=1",
                                   "plan.device_memory_gb=80")
     [asked] = [r for r in rows if r.asked]
-    assert asked.label == f"fsdp+tp{tp}" and asked.dims == f"dp_shard={target.world // tp} x tp={tp}"
+    assert asked.label == f"fsdp+tp{tp}"
+    assert asked.dims == f"dp_shard={target.world // tp} x tp={tp}"
     elements, tensors = analytic_rank0_elements(args, tp, target.world // tp)
     assert asked.params_bytes == 4 * elements  # fp32
     assert asked.grads_bytes == asked.params_bytes

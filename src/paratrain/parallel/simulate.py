@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..dist import DistEnv
+from ..errors import ConfigError
 from ..formatting import human_bytes
 from .fake_world import fake_world
 from .memory import SavedTensorMeter, local_bytes
@@ -181,9 +182,10 @@ def _state(work: Workload, blocks: int, parallelism: Parallelism, target: Target
     dims = parallelism.layout(target.world)
     with fake_world(target.world):
         model = _model(work, blocks)
-        if dims.dp_shard > 1 or dims.tp > 1:  # (a replica holds the module as it is; DDP's
-            model = parallelize(model, parallelism, _env(target),  # checks need real data)
-                                precision=work.precision)
+        # a replica (single, DDP) holds the module as it is, and DDP's start-up checks read
+        # real data: only what splits the parameters is applied
+        if dims.dp_shard > 1 or dims.tp > 1:
+            model = parallelize(model, parallelism, _env(target), precision=work.precision)
         named = dict(model.named_parameters())
     return {"params": local_bytes(named.values()), "tensors": len(named),
             "numel": sum(_local_numel(p) for p in named.values()),
@@ -323,6 +325,10 @@ def target_of(cfg: Any) -> Target:
 def plan_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
     """(rows, target, auto's pick, workload) for a TrainConfig with one of our models."""
     from ..models import build_model, resolve_model_config
+    if cfg.model.arch not in ("llama", "gpt"):
+        raise ConfigError(f"paratrain plan simulates our llama and gpt models (a preset, or "
+                          f"model.* sizes), not model.arch={cfg.model.arch} yet; drop the plan.* "
+                          "keys and trainer.tensor_parallel to plan this machine")
     target = target_of(cfg)
     tr = cfg.trainer
     args = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,

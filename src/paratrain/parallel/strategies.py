@@ -5,7 +5,8 @@ A parallelism knows how to wrap a model, how to skip gradient sync on the accumu
 before the last one (Fabric's per-strategy backward-sync control), which autocast and gradient
 scaler it needs, and what share of the parameters, gradients and optimizer state one rank holds
 (the memory plan and `bench` count with it). Adding one is one class here, plus its device mesh
-(HSDP is FSDP on a 2-D mesh). Activation checkpointing and compile are applied before the wrapper, in that order,
+(HSDP is FSDP on a 2-D mesh; tensor parallelism, parallel/tensor.py, FSDP on a 3-D one). Tensor
+parallelism, activation checkpointing and compile are applied before the wrapper, in that order,
 as torchtitan's `parallelize` composes them (`parallelize` below).
 """
 
