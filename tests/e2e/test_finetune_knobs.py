@@ -120,6 +120,7 @@ def test_short_last_step_is_exact_on_one_and_two_workers(folder, tmp_path, monke
         assert max(abs(a - b) for a, b in zip(one, other)) < 1e-5, (key, one, other)
 
 
+@pytest.mark.slow
 def test_short_last_step_of_a_packed_corpus_counts_its_windows(corpus_dir, cache_dir, tmp_path,
                                                                monkeypatch):
     """A corpus (a fixed number of tokens per window): drop_last=false adds the short step;
