@@ -70,6 +70,9 @@ def check_targets(model: nn.Module, lora: Any) -> None:
 def apply_lora(model: nn.Module, lora: Any, task_type: str = "CAUSAL_LM") -> nn.Module:
     """`model` with adapters per model.lora.* (config.LoraConfig), its base frozen."""
     import peft
+
+    from ..models.hf import quiet_transformers
+    quiet_transformers()  # peft asks the model a deprecated question: a FutureWarning per rank
     config = lora_config(lora, task_type)
     check_targets(model, lora)
     return peft.get_peft_model(model, config)
