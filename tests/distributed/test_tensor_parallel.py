@@ -155,7 +155,10 @@ def test_two_nodes_with_tp_inside_and_hsdp_across_are_ddp_on_four(request, tmp_p
                                 "trainer.strategy": "hsdp", "trainer.tensor_parallel": 2,
                                 "distributed.nnodes": 2, "distributed.node_rank": rank,
                                 "distributed.master_addr": "127.0.0.1",
-                                "distributed.master_port": port}), tmp_path / f"node{rank}")
+                                "distributed.master_port": port,
+                                # every node's shards in one place, as on a shared filesystem
+                                "checkpoint.dir": tmp_path / "checkpoints"}),
+                   tmp_path / f"node{rank}")
              for rank in (0, 1)]
     results = finish(procs, timeout=600)
     for rc, _, err in results:

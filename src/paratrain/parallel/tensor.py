@@ -19,6 +19,7 @@ Order, as torchtitan composes them: TP -> activation checkpointing -> compile ->
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -73,6 +74,18 @@ class TensorParallel(FSDP):
     def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
                     units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         return self.wrap(model, env, precision=precision, units=units, mesh=mesh)
+
+    def full_state_dict(self, model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
+        """As FSDP's; the gather of a parameter split by TP and then by FSDP takes one
+        all-gather per dimension (DTensor cannot merge them in that order) and DTensor logs a
+        warning for each: expected here, once per save."""
+        quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            return super().full_state_dict(model, env)
+        finally:
+            quiet.setLevel(level)
 
     def state_numel(self, shape: torch.Size, world: int, rank: int = 0) -> int:
         raise NotImplementedError("a tensor-parallel share depends on the layer, not the shape: "
