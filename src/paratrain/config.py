@@ -15,15 +15,10 @@ from typing import Any, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .config_checks import (
-    default_run_name,
-    parse_nnodes,
-    resolve_max_length,
-    resolve_tokenizer,
-    validate,
-)
+from .config_checks import default_run_name, parse_nnodes, resolve_tokenizer, validate
 from .errors import ConfigError
 from .formatting import first_line
+from .model_folder import resolve_max_length
 from .redact import redact_secrets
 
 
@@ -96,7 +91,7 @@ class DataConfig:
     margin_field: Optional[str] = None  # preference, reward: a field with each pair's margin
     val_source: Optional[str] = None  # pairs / chat: a validation file (else val_fraction)
     # pairs / chat / classify: tokens per example (pairs: the input is cut from the left); null:
-    # the model's max_position_embeddings (see config_checks.resolve_max_length)
+    # the model's max_position_embeddings (see model_folder.resolve_max_length)
     max_length: Optional[int] = None
     chat_template: str = "auto"  # auto (the tokenizer's, if any) | none | PATH to a jinja file
     system_prompt: Optional[str] = None  # pairs / chat rendered with a chat template

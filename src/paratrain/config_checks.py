@@ -8,14 +8,14 @@ attribute, so it imports nothing from config.py (no cycle).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .errors import ConfigError
 from .formatting import one_of
+from .model_folder import (TOKENIZER_MARKERS, check_weights, has_tokenizer, has_weights,
+                           model_positions, resolve_max_length)
 from .models.presets import ARCHS, resolve_model_config
 from .tasks import registry
 from .tasks.registry import model_config  # one home: the registry reads config.json too
@@ -23,19 +23,12 @@ from .tasks.registry import model_config  # one home: the registry reads config.
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 TOKENIZERS = ("auto", "bpe", "char")
-# Files any one of which makes a folder loadable by transformers' AutoTokenizer.from_pretrained.
-TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                     "spiece.model", "vocab.txt")
 BACKENDS = ("auto", "gloo", "nccl")
 OPTIMIZERS = ("adamw", "adafactor", "sgd", "adamw-8bit")
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 INITS = ("gpt2", "torch")
 LORA_BIASES = ("none", "all", "lora_only")
 PRETRAINING_RUN_NAME = "stdlib-llama"  # run.name of a run that fine-tunes nothing
-# The context length a transformers config.json states, under the names models use for it.
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
-                 "n_ctx")
-FALLBACK_MAX_LENGTH = 1024  # data.max_length when the model's config states no limit
 
 
 def parse_nnodes(value: Any) -> tuple[int, int]:
@@ -86,93 +79,6 @@ def default_run_name(cfg: Any) -> str:
     return (f"{stem or 'model'}-{cfg.data.format}"
             + (f"-{chosen.objective}" if chosen is not spec else "")
             + ("-lora" if cfg.model.lora.r else ""))
-
-
-def model_positions(path: Optional[str]) -> Optional[int]:
-    """The longest sequence model.path's config.json says the model takes (None: not stated)."""
-    info = model_config(path) if path else {}
-    for key in POSITION_KEYS:
-        if isinstance(info.get(key), int) and not isinstance(info.get(key), bool):
-            return info[key]
-    return None
-
-
-def resolve_max_length(data: Any, model: Any) -> int:
-    """data.max_length, decided here: the value given, else the model's own limit (its
-    config.json's max_position_embeddings), else FALLBACK_MAX_LENGTH."""
-    if data.max_length is not None:
-        return int(data.max_length)
-    limit = model_positions(model.path) if model.arch == "hf" else None
-    return limit or FALLBACK_MAX_LENGTH
-
-
-def has_tokenizer(folder: str | os.PathLike) -> bool:
-    """The folder holds a tokenizer saved with save_pretrained (one of TOKENIZER_MARKERS)."""
-    p = Path(folder).expanduser()
-    return p.is_dir() and any((p / name).is_file() for name in TOKENIZER_MARKERS)
-
-
-def check_embeddings(cfg: Any, vocab_size: int) -> None:
-    """A tokenizer with more ids than model.path's embeddings (vocab_size in its config.json)
-    is refused in one line, before any worker starts (building the model would fail in each)."""
-    model_vocab = model_config(cfg.model.path).get("vocab_size")
-    if isinstance(model_vocab, int) and vocab_size > model_vocab:
-        where = (f"data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer != "auto"
-                 else "model.path's tokenizer")
-        raise ConfigError(f"{where} has {vocab_size} tokens but model.path's embeddings hold "
-                          f"{model_vocab} (vocab_size in its config.json): ids beyond that have "
-                          "no embedding; use the tokenizer the model was trained with")
-
-
-def check_weights(folder: str | os.PathLike) -> None:
-    """Refuse, before any worker starts, a safetensors file in model.path that cannot be read
-    whole: its header must parse and its tensors must end within the file (a download or copy
-    cut short fails here, naming the file, not in a worker)."""
-    p = Path(folder).expanduser()
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            raise ConfigError(f"{index} is damaged (not a safetensors index with a weight_map); "
-                              "copy the model folder again") from None
-        files = [p / name for name in shards]
-    else:
-        files = [p / "model.safetensors"] if (p / "model.safetensors").exists() else []
-    for f in files:
-        problem = _safetensors_problem(f)
-        if problem:
-            raise ConfigError(f"model.path's weights {f} are damaged: {problem}; copy or "
-                              "download the model folder again")
-
-
-def _safetensors_problem(f: Path) -> Optional[str]:
-    """What is wrong with one safetensors file, from its header alone (None: nothing)."""
-    try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 2 or 8 + n > size:
-                return f"the file is {size:,} bytes, too short for its header (cut short?)"
-            header = json.loads(fh.read(n))
-    except FileNotFoundError:
-        return "the file is missing"
-    except (OSError, ValueError) as e:
-        return f"its header cannot be read ({type(e).__name__})"
-    ends = [v["data_offsets"][1] for k, v in header.items()
-            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
-    need = 8 + n + max(ends, default=0)
-    if need > size:
-        return f"the file is {size:,} bytes but its tensors need {need:,} (cut short?)"
-    return None
-
-
-def has_weights(folder: str | os.PathLike) -> bool:
-    """A Hugging Face model folder with safetensors weights (else it is built from config)."""
-    p = Path(folder).expanduser()
-    return p.is_dir() and any((p / n).exists() for n in
-                              ("model.safetensors", "model.safetensors.index.json"))
 
 
 def validate(cfg: Any) -> None:

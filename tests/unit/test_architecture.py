@@ -109,7 +109,7 @@ LAYERS = [
     ("paratrain.data",),
     ("paratrain.config", "paratrain.config_checks", "paratrain.models.presets",
      "paratrain.tasks.registry", "paratrain.dist", "paratrain.errors", "paratrain.fileio",
-     "paratrain.formatting", "paratrain.redact", "paratrain"),
+     "paratrain.formatting", "paratrain.redact", "paratrain.model_folder", "paratrain"),
 ]
 
 

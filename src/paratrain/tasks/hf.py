@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
-from ..config_checks import check_embeddings, resolve_tokenizer
+from ..config_checks import resolve_tokenizer
+from ..model_folder import check_embeddings
 from ..data.encoded import Encoded, fingerprint, load_or_encode
 from ..data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from ..dist import DistEnv

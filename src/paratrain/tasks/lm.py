@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from torch import nn
 
 from ..config import TrainConfig
-from ..config_checks import check_embeddings, has_weights
+from ..model_folder import check_embeddings, has_weights
 from ..data.cache import PreparedData
 from ..dist import DistEnv
 from ..formatting import human_count
