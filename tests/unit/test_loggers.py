@@ -104,9 +104,15 @@ def test_report_of_a_running_and_a_finished_run(tmp_path):
         write_report(tmp_path / "sub")
 
 
-def test_tensorboard_resume_replaces_the_steps_after_the_snapshot(tmp_path):
+def test_tensorboard_resume_replaces_the_steps_after_the_snapshot(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
+
+    # the two writers' files get counters 9 and 10 (the tenth and eleventh writers of a
+    # process): made in the same second, "...10" sorts before "...9" and TensorBoard would read
+    # the resumed run's file first (what a CI run of the whole suite once hit)
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
 
     def losses() -> dict:
         ea = EventAccumulator(str(tmp_path / loggers.TB_DIR))

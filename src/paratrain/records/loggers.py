@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import math
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -89,6 +90,8 @@ class TensorBoardSink:
         logdir = run_dir / TB_DIR
         if start_step == 0:
             shutil.rmtree(logdir, ignore_errors=True)
+        else:
+            _after_existing_events(logdir)
         self._w = SummaryWriter(str(logdir), purge_step=start_step + 1 if start_step else None)
 
     def write(self, step: int, values: dict[str, float]) -> None:
@@ -98,6 +101,20 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self._w.close()
+
+
+def _after_existing_events(logdir: Path) -> None:
+    """Wait (under a second) until a new event file's name sorts after every file in `logdir`.
+
+    TensorBoard reads a folder's event files in name order, and a resumed run's purge of the
+    steps after its snapshot applies only to the events read before it. Names start with the
+    second they were made, then host, pid and a per-process counter compared as text ("10" <
+    "9"), so a writer made in the same second as the last one (a run resumed in the same
+    process, as a notebook does) could sort first and see its purge undone."""
+    stamps = [int(p.name.split(".")[3]) for p in logdir.glob("events.out.tfevents.*")
+              if p.name.split(".")[3].isdigit()]
+    while stamps and int(time.time()) <= max(stamps):
+        time.sleep(0.05)
 
 
 class WandbSink:
