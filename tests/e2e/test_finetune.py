@@ -7,6 +7,7 @@ Python API, and bad input (one line, exit 2)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -329,7 +330,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
 def test_chat_records_train_on_assistant_turns_and_generate_with_the_template(
         tmp_path, monkeypatch, capsys, pretrained, pairs):
     train, _ = pairs
-    rows = [json.loads(line) for line in train.read_text().splitlines()[:96]]
+    rows = sorted((json.loads(line) for line in train.read_text().splitlines()),
+                  key=lambda r: len(r["input"] + r["output"]))[:48]  # the model has 64 positions
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": r["input"]},
@@ -339,11 +341,14 @@ def test_chat_records_train_on_assistant_turns_and_generate_with_the_template(
     run_dir = tmp_path / "chat"
     r = run_cli(_finetune_args(pretrained, chat, chat, run_dir, **{
         "data.format": "chat", "data.chat_template": str(template), "trainer.max_steps": 6,
-        "data.max_length": 160,
+        "data.max_length": 64,
         "trainer.devices": "cpu:2", "data.system_prompt": "Answer in one line."}),
         cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "96 rows -> 96 examples" in r.stderr
+    kept, truncated, dropped, empty = map(int, re.search(
+        r"48 rows -> (\d+) examples \((\d+) truncated, (\d+) dropped as too long, (\d+) with "
+        r"nothing to learn\)", r.stderr).groups())
+    assert kept >= 24 and kept + dropped == 48 and empty == 0  # every row has an assistant turn
     assert (run_dir / "model" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
     assert (run_dir / "model" / "tokenizer.json").read_bytes() == \
         (pretrained / "tokenizer.json").read_bytes()

@@ -2,7 +2,8 @@
 item 1): `model.arch=hf model.path=DIR data.format=packed` with data.tokenizer left at auto, two
 CPU workers, offline. A tiny Llama folder (weights and a tokenizer, as save_pretrained writes
 them: conftest's `hf_llama`) is made here; the token cache holds that tokenizer's ids, nothing is
-trained, the loss falls, and model/ carries the tokenizer's files byte for byte."""
+trained, the loss falls, and model/ carries the tokenizer's files (byte for byte but for the class
+name in tokenizer_config.json, made portable)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,18 @@ def test_hf_model_on_a_corpus_uses_its_own_tokenizer(tmp_path, hf_llama, corpus_
     assert sum(losses[-5:]) < sum(losses[:5]) - 0.5, losses
     model_dir = tmp_path / "run" / "model"
     for name, data in files.items():
-        assert (model_dir / name).read_bytes() == data, name
+        if name != "tokenizer_config.json":
+            assert (model_dir / name).read_bytes() == data, name
+    # tokenizer_config.json: the same settings, the class under the name transformers 4.x reads
+    # too (models.hf.portable_tokenizer_config)
+    ours, theirs = (json.loads(t) for t in ((model_dir / "tokenizer_config.json").read_text(),
+                                            files["tokenizer_config.json"]))
+    assert ours.pop("tokenizer_class") == "PreTrainedTokenizerFast"
+    assert theirs.pop("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    assert ours == theirs
+    again = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    sample = sorted(texts)[0]
+    assert again(sample)["input_ids"] == hf(sample)["input_ids"]
     config = json.loads((model_dir / "config.json").read_text())
     assert config["vocab_size"] == len(hf)
     assert transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
