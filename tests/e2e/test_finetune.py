@@ -83,7 +83,8 @@ def _val_loss_on_outputs(model_dir: Path, val: Path, model=None) -> float:
 
     import transformers
 
-    from paratrain.data.finetune import PadCollate, encode_pairs
+    from paratrain.data.examples import PadCollate
+    from paratrain.data.finetune import encode_pairs
     from paratrain.data.hf_tokenizer import load_tokenizer
     from paratrain.data.records import read_rows
     from paratrain.tasks.base import token_loss

@@ -16,7 +16,8 @@ import torch
 
 from paratrain.config import TrainConfig
 from paratrain.data.encoded import TokenizerFacts
-from paratrain.data.finetune import FinetuneDataset, encode_pairs, split_validation
+from paratrain.data.examples import FinetuneDataset, split_validation
+from paratrain.data.finetune import encode_pairs
 from paratrain.data.hf_tokenizer import load_tokenizer
 from paratrain.data.records import read_rows
 from paratrain.dist import DistEnv

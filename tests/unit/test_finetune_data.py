@@ -14,13 +14,8 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from paratrain.data.classify import encode_classify  # noqa: E402
 from paratrain.data.dataset import IGNORE_INDEX  # noqa: E402
-from paratrain.data.finetune import (  # noqa: E402
-    FinetuneDataset,
-    PadCollate,
-    encode_chat,
-    encode_pairs,
-    split_validation,
-)
+from paratrain.data.examples import FinetuneDataset, PadCollate, split_validation  # noqa: E402
+from paratrain.data.finetune import encode_chat, encode_pairs  # noqa: E402
 from paratrain.data.hf_tokenizer import (  # noqa: E402
     _tokens_by_piece,
     assistant_spans,

@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import DataError
-from .finetune import _BATCH, EncodeStats, Example, _check_inputs, _field, _text
+from .examples import Example
+from .finetune import EncodeStats, check_inputs, row_field, row_text, tokenize_texts
 
 
 def encode_classify(rows: Sequence[Dict[str, Any]], tokenizer: Any, *, text_field: str = "text",
@@ -26,17 +27,15 @@ def encode_classify(rows: Sequence[Dict[str, Any]], tokenizer: Any, *, text_fiel
     so the mapping is stable across runs; strings that all look like integers (CSV has no
     types) count as ints. Pass the training set's names as `labels` when encoding validation
     data, so both use the same ids."""
-    _check_inputs(rows, max_length, source_name)
-    texts = [_text(row, text_field, "data.text_field", source_name, i)
+    check_inputs(rows, max_length, source_name)
+    texts = [row_text(row, text_field, "data.text_field", source_name, i)
              for i, row in enumerate(rows, start=1)]
-    values = [_field(row, label_field, "data.label_field", source_name, i)
+    values = [row_field(row, label_field, "data.label_field", source_name, i)
               for i, row in enumerate(rows, start=1)]
     label_ids, label_names = _label_ids(values, labels, source_name)
     stats = EncodeStats(source_name, rows=len(texts))
     examples: List[Example] = []
-    full: List[List[int]] = []
-    for start in range(0, len(texts), _BATCH):
-        full += tokenizer(texts[start:start + _BATCH], add_special_tokens=True)["input_ids"]
+    full = tokenize_texts(tokenizer, texts, specials=True)
     for text, ids, label in zip(texts, full, label_ids):
         stats._see(len(ids), 0)
         cut = len(ids) > max_length

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..config import TrainConfig
 from ..fileio import atomic_write_json
-from .finetune import FinetuneDataset
+from .examples import FinetuneDataset
 from .tokenizer import tokenizer_files_fingerprint
 
 FORMAT_VERSION = 1  # bump when an encoder's output changes for the same inputs

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ConfigError, DataError
 from .dataset import IGNORE_INDEX
-from .finetune import _BATCH, _check_inputs, _field, _text
+from .finetune import check_inputs, row_field, row_text, tokenize_texts
 from .hf_tokenizer import eos_id, render_chat, special_prefix, use_chat_template
 from .ragged import RaggedDataset, pad_rows
 
@@ -98,7 +98,7 @@ def preference_texts(rows: Sequence[Dict[str, Any]], tokenizer: Any, f: Preferen
                    ((f.chosen, "data.chosen_field"), (f.rejected, "data.rejected_field"))]
         margin = 0.0
         if f.margin is not None:
-            value = _field(row, f.margin, "data.margin_field", source_name, i)
+            value = row_field(row, f.margin, "data.margin_field", source_name, i)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise DataError(f"{where}: {f.margin!r} is a {type(value).__name__}, not a "
                                 "number; data.margin_field names each pair's margin")
@@ -129,7 +129,7 @@ def preference_texts(rows: Sequence[Dict[str, Any]], tokenizer: Any, f: Preferen
 
 def _messages_or_text(row: Dict[str, Any], field: str, setting: str, source_name: str,
                       row_number: int) -> Any:
-    value = _field(row, field, setting, source_name, row_number)
+    value = row_field(row, field, setting, source_name, row_number)
     if isinstance(value, dict):  # one message
         value = [value]
     if isinstance(value, list):
@@ -139,19 +139,19 @@ def _messages_or_text(row: Dict[str, Any], field: str, setting: str, source_name
                 raise DataError(f"{source_name}: row {row_number} field {field!r}: every "
                                 "message must be a dict with text 'role' and 'content'")
         return [{"role": m["role"], "content": m["content"]} for m in value]
-    return _text(row, field, setting, source_name, row_number)
+    return row_text(row, field, setting, source_name, row_number)
 
 
 def encode_dpo(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: PreferenceFields, *,
                max_length: int, source_name: str = "data") -> Tuple[List[Pair], PairStats]:
     """Pairs for DPO: [BOS] + prompt + response + EOS, tokenized in parts (module docstring)."""
-    _check_inputs(rows, max_length, source_name)
+    check_inputs(rows, max_length, source_name)
     texts, templated = preference_texts(rows, tokenizer, fields, source_name)
     eos = eos_id(tokenizer)
     prefix = [] if templated else special_prefix(tokenizer)
-    prompts = _tokenize(tokenizer, [t[0] for t in texts])
-    chosen = _tokenize(tokenizer, [t[1] for t in texts])
-    rejected = _tokenize(tokenizer, [t[2] for t in texts])
+    prompts = tokenize_texts(tokenizer, [t[0] for t in texts])
+    chosen = tokenize_texts(tokenizer, [t[1] for t in texts])
+    rejected = tokenize_texts(tokenizer, [t[2] for t in texts])
     ends = tokenizer.eos_token or ""
     stats = PairStats(source_name, max_length, rows=len(texts))
     pairs: List[Pair] = []
@@ -183,11 +183,11 @@ def encode_dpo(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: Preferenc
 def encode_reward(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: PreferenceFields, *,
                   max_length: int, source_name: str = "data") -> Tuple[List[Pair], PairStats]:
     """Pairs for a reward model: each whole text as transformers' tokenizer(text) encodes it."""
-    _check_inputs(rows, max_length, source_name)
+    check_inputs(rows, max_length, source_name)
     texts, templated = preference_texts(rows, tokenizer, fields, source_name)
     specials = not templated  # a rendered chat holds its special tokens as text already
-    chosen = _tokenize(tokenizer, [p + c for p, c, _, _ in texts], specials)
-    rejected = _tokenize(tokenizer, [p + r for p, _, r, _ in texts], specials)
+    chosen = tokenize_texts(tokenizer, [p + c for p, c, _, _ in texts], specials)
+    rejected = tokenize_texts(tokenizer, [p + r for p, _, r, _ in texts], specials)
     stats = PairStats(source_name, max_length, rows=len(texts))
     pairs: List[Pair] = []
     for (_, _, _, margin), c, r in zip(texts, chosen, rejected):
@@ -202,12 +202,6 @@ def encode_reward(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: Prefer
     stats.check_some_kept()
     return pairs, stats
 
-
-def _tokenize(tokenizer: Any, texts: List[str], specials: bool = False) -> List[List[int]]:
-    ids: List[List[int]] = []
-    for start in range(0, len(texts), _BATCH):
-        ids += tokenizer(texts[start:start + _BATCH], add_special_tokens=specials)["input_ids"]
-    return [list(x) for x in ids]
 
 
 def rows_from_preference_lists(prompts: Sequence[str], chosen: Sequence[str],

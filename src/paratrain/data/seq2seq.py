@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from .dataset import IGNORE_INDEX
-from .finetune import _BATCH, EncodeStats, _check_inputs, _text
+from .finetune import TOKENIZE_BATCH, EncodeStats, check_inputs, row_text
 from .hf_tokenizer import eos_id
 from .ragged import RaggedDataset, pad_rows
 
@@ -26,16 +26,16 @@ def encode_seq2seq(rows: Sequence[Dict[str, Any]], tokenizer: Any, *, input_fiel
                    output_field: str = "output", max_length: int, source_name: str = "data"
                    ) -> Tuple[List[Seq2SeqExample], EncodeStats]:
     """Rows -> encoder inputs and decoder targets (module docstring)."""
-    _check_inputs(rows, max_length, source_name)
-    inputs = [_text(row, input_field, "data.input_field", source_name, i)
+    check_inputs(rows, max_length, source_name)
+    inputs = [row_text(row, input_field, "data.input_field", source_name, i)
               for i, row in enumerate(rows, start=1)]
-    outputs = [_text(row, output_field, "data.output_field", source_name, i)
+    outputs = [row_text(row, output_field, "data.output_field", source_name, i)
                for i, row in enumerate(rows, start=1)]
     eos = eos_id(tokenizer)
     stats = EncodeStats(source_name, rows=len(rows))
     examples: List[Seq2SeqExample] = []
-    for start in range(0, len(rows), _BATCH):
-        chunk = slice(start, start + _BATCH)
+    for start in range(0, len(rows), TOKENIZE_BATCH):
+        chunk = slice(start, start + TOKENIZE_BATCH)
         sources = tokenizer(inputs[chunk], add_special_tokens=True)["input_ids"]
         targets = tokenizer(outputs[chunk], add_special_tokens=True)["input_ids"]
         for text, source, target in zip(inputs[chunk], sources, targets):

@@ -66,7 +66,7 @@ class PretrainedTask(NoFrozenModels):
         """The encoded records (reused from the cache, or encoded and cached: data/encoded.py;
         a task whose examples have a dataset of its own encodes in every process) and the
         validation split; each note is logged."""
-        from ..data.finetune import validation_rows
+        from ..data.examples import validation_rows
         d = cfg.data
         tokenizer_dir = Path(resolve_tokenizer(cfg.data, cfg.model)).expanduser()
         cls.check_model(cfg)
@@ -108,7 +108,7 @@ class PretrainedTask(NoFrozenModels):
         """Load the tokenizer, read the records and encode them with the task's encoder
         (`split`: hold out data.val_fraction of the examples here, when there are no validation
         records; the cached path splits at load time instead, with the same rows)."""
-        from ..data.finetune import split_validation
+        from ..data.examples import split_validation
         from ..data.hf_tokenizer import load_tokenizer
         from ..data.records import read_rows
         quiet_transformers()
@@ -129,7 +129,7 @@ class PretrainedTask(NoFrozenModels):
     @classmethod
     def dataset(cls, examples: list) -> Any:
         """The map-style dataset over the encoder's examples (preference pairs have their own)."""
-        from ..data.finetune import FinetuneDataset
+        from ..data.examples import FinetuneDataset
         return FinetuneDataset(examples)
 
     @classmethod
@@ -183,7 +183,7 @@ class PretrainedTask(NoFrozenModels):
 
     @property
     def collate(self) -> Callable[[list], Any]:
-        from ..data.finetune import PadCollate
+        from ..data.examples import PadCollate
         return PadCollate(self.tokenizer.pad_token_id)
 
     @property
