@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 from tests.conftest import make_hf_llama, make_hf_tokenizer
-from tests.e2e._tiny_model import write_jsonl  # noqa: F401 (one home; imported from here too)
+from tests.e2e._tiny_model import write_jsonl
 
 WORDS = ("the a red blue green small big cat dog bird runs sits sees eats near under over "
          "house tree river stone quick slow old new").split()
@@ -31,6 +31,27 @@ def preference_rows(n: int, seed: int) -> list[dict]:
         rows.append({"prompt": prompt, "chosen": " " + " ".join(chosen),
                      "rejected": " " + " ".join(rejected)})
     return rows
+
+
+N_VAL = 41  # odd: split over 2 workers and batches, every pair must still count once
+
+
+def write_preference_data(folder: Path) -> tuple[Path, Path]:
+    """train.jsonl (256 pairs) and val.jsonl (N_VAL pairs) in `folder`."""
+    return (write_jsonl(folder / "train.jsonl", preference_rows(256, 0)),
+            write_jsonl(folder / "val.jsonl", preference_rows(N_VAL, 1)))
+
+
+def small_run_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:
+    """`paratrain train` overrides for a 10-step fine-tune of a tiny model on 2 workers (batch
+    4 per worker, 8 global, a loss every step), then `extra` (data.format among them)."""
+    base = {"model.arch": "hf", "model.path": str(model), "data.source": str(train),
+            "data.val_source": str(val), "data.max_length": 64, "trainer.devices": "cpu:2",
+            "trainer.batch_size": 4, "trainer.global_batch_size": 8, "trainer.max_steps": 10,
+            "trainer.log_every": 1, "trainer.eval_every": 1000, "trainer.progress_bar": "false",
+            "optim.lr": 3e-3, "optim.warmup_steps": 0, "distributed.timeout_s": 60,
+            "run.dir": str(run_dir), **extra}
+    return ["train"] + [f"{k}={v}" for k, v in base.items()]
 
 
 def _texts() -> list[str]:

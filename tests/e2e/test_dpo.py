@@ -18,12 +18,18 @@ import pytest
 import torch
 
 from tests.conftest import REPO, finish, read_metrics, read_summary, run_cli, start_cli
-from tests.e2e._preference_data import make_tiny_llama, preference_rows, write_jsonl
+from tests.e2e._preference_data import (
+    N_VAL,
+    make_tiny_llama,
+    preference_rows,
+    small_run_args,
+    write_jsonl,
+    write_preference_data,
+)
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(900)]
 
-N_VAL = 41  # odd: split over 2 workers and batches, every pair must still count once
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "accuracy")
 
 
@@ -34,20 +40,11 @@ def llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("dpo-data")
-    return (write_jsonl(tmp / "train.jsonl", preference_rows(256, 0)),
-            write_jsonl(tmp / "val.jsonl", preference_rows(N_VAL, 1)))
+    return write_preference_data(tmp_path_factory.mktemp("dpo-data"))
 
 
 def dpo_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:
-    base = {"model.arch": "hf", "model.path": str(model), "data.format": "preference",
-            "data.source": str(train), "data.val_source": str(val), "data.max_length": 64,
-            "trainer.devices": "cpu:2", "trainer.batch_size": 4, "trainer.global_batch_size": 8,
-            "trainer.max_steps": 10, "trainer.log_every": 1, "trainer.eval_every": 1000,
-            "trainer.progress_bar": "false", "optim.lr": 3e-3, "optim.warmup_steps": 0,
-            "distributed.timeout_s": 60, "run.dir": str(run_dir)}
-    base.update(extra)
-    return ["train"] + [f"{k}={v}" for k, v in base.items()]
+    return small_run_args(model, train, val, run_dir, **{"data.format": "preference", **extra})
 
 
 CHECKED = """

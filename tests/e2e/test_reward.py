@@ -13,12 +13,16 @@ import pytest
 import torch
 
 from tests.conftest import read_metrics, read_summary, run_cli
-from tests.e2e._preference_data import make_tiny_llama, preference_rows, write_jsonl
+from tests.e2e._preference_data import (
+    N_VAL,
+    make_tiny_llama,
+    small_run_args,
+    write_preference_data,
+)
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
-N_VAL = 41
 FIGURES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "accuracy")
 
 
@@ -29,21 +33,13 @@ def llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("reward-data")
-    return (write_jsonl(tmp / "train.jsonl", preference_rows(256, 0)),
-            write_jsonl(tmp / "val.jsonl", preference_rows(N_VAL, 1)))
+    return write_preference_data(tmp_path_factory.mktemp("reward-data"))
 
 
 def reward_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:
-    base = {"model.arch": "hf", "model.path": str(model), "data.format": "preference",
-            "trainer.objective": "reward", "data.source": str(train),
-            "data.val_source": str(val), "data.max_length": 64, "trainer.devices": "cpu:2",
-            "trainer.batch_size": 4, "trainer.global_batch_size": 8, "trainer.max_steps": 10,
-            "trainer.log_every": 1, "trainer.eval_every": 1000, "trainer.progress_bar": "false",
-            "optim.lr": 3e-3, "optim.warmup_steps": 5, "distributed.timeout_s": 60,
-            "run.dir": str(run_dir)}
-    base.update(extra)
-    return ["train"] + [f"{k}={v}" for k, v in base.items()]
+    return small_run_args(model, train, val, run_dir, **{
+        "data.format": "preference", "trainer.objective": "reward", "optim.warmup_steps": 5,
+        **extra})
 
 
 def test_one_and_two_workers_give_the_same_run(tmp_path, llama, data):

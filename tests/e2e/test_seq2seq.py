@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import read_metrics, read_summary, run_cli
-from tests.e2e._preference_data import make_tiny_t5, preference_rows, write_jsonl
+from tests.e2e._preference_data import make_tiny_t5, preference_rows, small_run_args, write_jsonl
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(900)]
@@ -40,14 +40,7 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def s2s_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:
-    base = {"model.arch": "hf", "model.path": str(model), "data.format": "pairs",
-            "data.source": str(train), "data.val_source": str(val), "data.max_length": 64,
-            "trainer.devices": "cpu:2", "trainer.batch_size": 4, "trainer.global_batch_size": 8,
-            "trainer.max_steps": 10, "trainer.log_every": 1, "trainer.eval_every": 1000,
-            "trainer.progress_bar": "false", "optim.lr": 3e-3, "optim.warmup_steps": 0,
-            "distributed.timeout_s": 60, "run.dir": str(run_dir)}
-    base.update(extra)
-    return ["train"] + [f"{k}={v}" for k, v in base.items()]
+    return small_run_args(model, train, val, run_dir, **{"data.format": "pairs", **extra})
 
 
 def _task(t5: Path, train: Path, val: Path):
