@@ -49,10 +49,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return 128 + signum
     if result.is_master:
         accuracy = result.summary.get("val_accuracy")
-        print(f"final loss {result.final_loss:.4f}"
-              + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None
-                 else "") + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
-              + f"; run dir: {result.run_dir}")
+        figures = [f"{name} {value:.4f}" for name, value in (
+            ("final loss", result.final_loss), ("validation loss", result.val_loss),
+            ("accuracy", accuracy)) if value is not None]  # (no loss: resumed at the end)
+        print(", ".join(figures) + f"; run dir: {result.run_dir}")
     return 0
 
 
