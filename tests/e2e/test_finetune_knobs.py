@@ -172,3 +172,26 @@ def test_adamw_8bit_snapshots_its_8bit_moments_and_resumes_bit_identical(folder,
     stopped = interrupted_copy(done, tmp_path / "stopped", keep_until=2)
     assert fit(stopped).steps == 4
     assert_bit_identical(stopped, done)
+
+
+@pytest.mark.slow
+def test_a_run_continued_to_its_snapshots_step_writes_the_model(folder, tmp_path, monkeypatch,
+                                                                 capfd):
+    """Continued from a snapshot to that snapshot's own step (checkpoint.resume=SNAPSHOT,
+    trainer.max_steps=its step), a run trains nothing and writes model/ from the snapshot. No
+    loss was logged before that step (trainer.log_every=10), so the closing lines leave the
+    final loss out; they used to stop on it with a TypeError after writing the model."""
+    from paratrain import cli
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    done, at2 = tmp_path / "done", tmp_path / "at2"
+    assert cli.main(_train("checkpoint.every_steps=2", f"run.dir={done}")) == 0
+    capfd.readouterr()
+    snapshot = done / "checkpoints" / "step-0000002"
+    assert cli.main(_train(f"checkpoint.resume={snapshot}", "trainer.max_steps=2",
+                           f"run.dir={at2}")) == 0
+    out, err = capfd.readouterr()
+    assert "resumed from step 2" in err and "Traceback" not in err, err[-3000:]
+    assert out.startswith("validation loss ") and "final loss" not in out, out
+    assert json.loads((at2 / "summary.json").read_text())["final_loss"] is None
+    assert (at2 / "model" / "model.safetensors").is_file()
