@@ -49,10 +49,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return 128 + signum
     if result.is_master:
         accuracy = result.summary.get("val_accuracy")
-        print(f"final loss {result.final_loss:.4f}"
-              + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None
-                 else "") + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
-              + f"; run dir: {result.run_dir}")
+        figures = [f"{name} {value:.4f}" for name, value in (
+            ("final loss", result.final_loss), ("validation loss", result.val_loss),
+            ("accuracy", accuracy)) if value is not None]  # (no loss: resumed at the end)
+        print(", ".join(figures) + f"; run dir: {result.run_dir}")
     return 0
 
 
@@ -190,6 +190,17 @@ def cmd_checkpoint_verify(ns: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
+    from .checkpoint import finetune_export
+    from .errors import ConfigError
+    found = finetune_export.find(ns.path)  # a fine-tuning run's snapshot: from_pretrained
+    if found is not None:
+        out = finetune_export.export_finetuned(*found, ns.out, merge=ns.merge,
+                                               model_path=ns.model_path, overwrite=ns.overwrite)
+        print(f"wrote {out}")
+        return 0
+    if ns.merge or ns.model_path:
+        raise ConfigError(f"--merge and --model-path apply to snapshots of fine-tuning runs "
+                          f"(model.arch=hf); {ns.path!r} holds none")
     if ns.format == "hf":  # a finished run's model/ as a Hugging Face LlamaForCausalLM folder
         from .checkpoint.hf_export import export_hf
         print(f"wrote {export_hf(ns.path, ns.out, overwrite=ns.overwrite)}")
@@ -303,13 +314,24 @@ def build_parser() -> argparse.ArgumentParser:
                          description="PATH: a snapshot folder, or a checkpoints folder or run "
                                      "dir (its newest committed snapshot). OUT: a folder (model "
                                      "+ config.json + tokenizer.json, for `paratrain generate`) "
-                                     "or a file ending in .safetensors.")
+                                     "or a file ending in .safetensors. A fine-tuning run's "
+                                     "snapshot (model.arch=hf) exports to a from_pretrained "
+                                     "folder with its tokenizer: the whole model, or for LoRA "
+                                     "the adapter alone (peft) or, with --merge, the merged "
+                                     "model.")
     ke.add_argument("path")
     ke.add_argument("out")
     ke.add_argument("--format", choices=("paratrain", "hf"), default="paratrain",
                     help="hf: a finished run's model as a Hugging Face LlamaForCausalLM folder "
                          "with its tokenizer (transformers loads it offline)")
-    ke.add_argument("--overwrite", action="store_true", help="hf: replace a non-empty OUT")
+    ke.add_argument("--overwrite", action="store_true",
+                    help="hf and fine-tuning snapshots: replace a non-empty OUT")
+    ke.add_argument("--merge", action="store_true",
+                    help="a LoRA snapshot: the base with the adapters merged in, instead of the "
+                         "adapter alone")
+    ke.add_argument("--model-path", default=None, metavar="DIR",
+                    help="a fine-tuning snapshot: the base model it fine-tuned, when it is no "
+                         "longer at the run's model.path")
     ke.set_defaults(func=cmd_checkpoint_export)
 
     rp = sub.add_parser("report", help="draw report.png for a finished or running run",

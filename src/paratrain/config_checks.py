@@ -221,8 +221,8 @@ def _check_optim(o: Any) -> None:
                           "null")
     if o.name == "adamw-8bit" and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError("optim.name=adamw-8bit needs the bitsandbytes package (pip install "
-                          "bitsandbytes; CUDA); optim.name=adafactor is the memory-light "
-                          "optimizer that needs nothing more")
+                          "bitsandbytes; it runs on CUDA and on the CPU); optim.name=adafactor is "
+                          "the memory-light optimizer that needs nothing more")
 
 
 def _check_trainer_knobs(cfg: Any, spec: registry.TaskSpec) -> None:

@@ -74,6 +74,9 @@ def _finetuned(tmp_path_factory, model: Path, train: Path, val: Path, **extra) -
 # LoRA on 2 workers, a snapshot every 4 steps: the LoRA tests' run and the killed run's reference
 LORA = {"model.lora.r": 4, "trainer.max_steps": 16, "trainer.log_every": 1,
         "checkpoint.every_steps": 4, "checkpoint.record_samples": "true", "optim.lr": 1e-2}
+# full fine-tuning under FSDP2, a snapshot every 4 steps: the LoRA test's full-model memory
+# reference and the exported full fine-tune
+FULL_FSDP = {"trainer.strategy": "fsdp", "trainer.max_steps": 16, "checkpoint.every_steps": 4}
 
 
 def _val_loss_on_outputs(model_dir: Path, val: Path, model=None) -> float:
@@ -214,7 +217,7 @@ def test_lora_trains_adapters_only_and_reloads_with_peft(tmp_path_factory, pretr
         pytest.approx(s["val_loss"], abs=1e-4)
     # optimizer state per rank: adapters only, against full fine-tuning with the same strategy
     # (ddp: the session's run of the defaults, whose strategy auto picks ddp)
-    full = {} if strategy == "ddp" else {"trainer.strategy": strategy, "trainer.max_steps": 16}
+    full = {} if strategy == "ddp" else FULL_FSDP
     full_summary = read_summary(_finetuned(tmp_path_factory, pretrained, train, val, **full).dir)
     assert full_summary["strategy"] == strategy
     lora_opt = s["memory"][0]["optimizer_bytes"]
@@ -361,3 +364,123 @@ def test_chat_records_train_on_assistant_turns_and_generate_with_the_template(
     line = cli_error(capsys, _finetune_args(pretrained, chat, chat, tmp_path / "none", **{
         "data.format": "chat"}))
     assert "chat template" in line
+
+
+def _continued_to(run: Path, snapshot: Path, tmp_path: Path, pretrained: Path, pairs, extra: dict
+                  ) -> Path:
+    """What the run writes at `snapshot`'s step: the same command continued from it with
+    trainer.max_steps at that step (1 worker, so the snapshot is resharded): it trains nothing
+    and writes model/ (and adapter/) from the snapshot's weights. Returns that run dir."""
+    train, val = pairs
+    step = int(snapshot.name.split("-")[1])
+    ref = tmp_path / f"continued-{run.parent.name}"
+    r = run_cli(_finetune_args(pretrained, train, val, ref, **{
+        **extra, "trainer.max_steps": step, "checkpoint.resume": str(snapshot),
+        "trainer.devices": "cpu", "trainer.strategy": "auto"}), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from step {step}" in r.stderr, r.stderr[-3000:]
+    return ref
+
+
+def test_checkpoint_export_of_fine_tuning_snapshots_loads_with_transformers_and_peft(
+        tmp_path, tmp_path_factory, pretrained, pairs):
+    """`paratrain checkpoint export` of the newest snapshot (step 12 of 16, written by 2 FSDP
+    workers) of a full fine-tune (PATH: the run dir) and of a LoRA run (PATH: the snapshot;
+    the adapter alone, and --merge): transformers and peft load the folders offline, and their
+    logits equal, bitwise, those of the model/ and adapter/ the run writes at that step (the same
+    command continued from the snapshot to its step); the tokenizer files are model/'s."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from paratrain import cli
+    train, val = pairs
+    auto = transformers.AutoModelForCausalLM
+    load = lambda folder: auto.from_pretrained(folder, local_files_only=True).eval()  # noqa: E731
+    ids = torch.arange(3, 40).view(1, -1)  # (1, 37) token ids the tiny vocabulary holds
+
+    def logits(model) -> torch.Tensor:
+        with torch.no_grad():
+            return model(ids).logits  # (1, 37, V)
+
+    base = logits(load(pretrained))
+    # full fine-tuning
+    run = _finetuned(tmp_path_factory, pretrained, train, val, **FULL_FSDP).dir
+    snapshot = sorted((run / "checkpoints").glob("step-*"))[-1]
+    assert snapshot.name == "step-0000012"
+    ref = _continued_to(run, snapshot, tmp_path, pretrained, pairs, FULL_FSDP)
+    assert cli.main(["checkpoint", "export", str(run), str(tmp_path / "full")]) == 0
+    exported = logits(load(tmp_path / "full"))
+    assert torch.equal(exported, logits(load(ref / "model")))
+    assert not torch.allclose(exported, base, atol=1e-3)  # the snapshot's weights, not the base's
+    assert not torch.allclose(exported, logits(load(run / "model")), atol=1e-4)  # nor step 16's
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert (tmp_path / "full" / name).read_bytes() == (ref / "model" / name).read_bytes()
+    # LoRA: the adapter alone (peft on the base), and merged
+    extra = {**LORA, "trainer.strategy": "fsdp"}
+    run = _finetuned(tmp_path_factory, pretrained, train, val, **extra).dir
+    snapshot = sorted((run / "checkpoints").glob("step-*"))[-1]
+    ref = _continued_to(run, snapshot, tmp_path, pretrained, pairs, extra)
+    assert cli.main(["checkpoint", "export", str(snapshot), str(tmp_path / "adapter")]) == 0
+    assert cli.main(["checkpoint", "export", str(snapshot), str(tmp_path / "merged"),
+                     "--merge"]) == 0
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()  # the adapter alone
+    with_adapter = logits(peft.PeftModel.from_pretrained(load(pretrained), tmp_path / "adapter"))
+    assert torch.equal(with_adapter, logits(peft.PeftModel.from_pretrained(load(pretrained),
+                                                                           ref / "adapter")))
+    merged = logits(load(tmp_path / "merged"))
+    assert torch.equal(merged, logits(load(ref / "model")))
+    assert (merged - with_adapter).abs().max() < 1e-5  # merging: the same model
+    assert not torch.allclose(merged, base, atol=1e-3)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "adapter" / name).read_bytes() == \
+            (ref / "adapter" / name).read_bytes()
+        assert (tmp_path / "merged" / name).read_bytes() == (ref / "model" / name).read_bytes()
+
+
+def test_checkpoint_export_of_a_fine_tuning_snapshot_refuses_bad_input(
+        tmp_path, tmp_path_factory, capsys, pretrained, pairs):
+    """In this process, through cli.main: one line, exit 2, nothing written; a base model that
+    moved is named with --model-path."""
+    import shutil
+
+    from paratrain import cli
+    from paratrain.checkpoint.store import MARKER
+    train, val = pairs
+    run = _finetuned(tmp_path_factory, pretrained, train, val, **FULL_FSDP).dir
+    out = tmp_path / "out"
+    line = cli_error(capsys, ["checkpoint", "export", str(run), str(out), "--merge"])
+    assert "--merge applies to LoRA snapshots" in line and "full fine-tune" in line
+    line = cli_error(capsys, ["checkpoint", "export", str(run), str(tmp_path / "w.safetensors")])
+    assert "exports to a folder" in line
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    line = cli_error(capsys, ["checkpoint", "export", str(run), str(busy)])
+    assert "not empty" in line and "--overwrite" in line
+    assert [p.name for p in busy.iterdir()] == ["notes.txt"]
+    line = cli_error(capsys, ["checkpoint", "export", str(run), str(pretrained), "--overwrite"])
+    assert "base model's folder" in line
+    # the base model gone from model.path: a copy of the snapshot whose run named another place
+    snapshot = sorted((run / "checkpoints").glob("step-*"))[-1]
+    moved = tmp_path / "moved" / "checkpoints" / snapshot.name
+    shutil.copytree(snapshot, moved)
+    marker = json.loads((moved / MARKER).read_text())
+    marker["config"]["model"]["path"] = str(tmp_path / "gone")
+    (moved / MARKER).write_text(json.dumps(marker))
+    line = cli_error(capsys, ["checkpoint", "export", str(moved), str(out)])
+    assert f"model.path={str(tmp_path / 'gone')!r}" in line and "is gone" in line
+    assert "--model-path" in line
+    line = cli_error(capsys, ["checkpoint", "export", str(moved), str(out), "--model-path",
+                              str(tmp_path / "nowhere")])
+    assert "--model-path" in line and "not a model folder" in line
+    assert not out.exists() and not (tmp_path / "w.safetensors").exists()
+    # --model-path where the base is now: the same export as from the run's own snapshot
+    assert cli.main(["checkpoint", "export", str(moved), str(out), "--model-path",
+                     str(pretrained)]) == 0
+    assert cli.main(["checkpoint", "export", str(snapshot), str(tmp_path / "same")]) == 0
+    from safetensors.torch import load_file
+    a, b = (load_file(str(d / "model.safetensors")) for d in (out, tmp_path / "same"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a path that holds no fine-tuning snapshot takes neither option
+    line = cli_error(capsys, ["checkpoint", "export", str(out), str(tmp_path / "x"), "--merge"])
+    assert "--merge and --model-path apply to snapshots of fine-tuning runs" in line

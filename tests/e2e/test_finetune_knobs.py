@@ -139,3 +139,59 @@ def test_short_last_step_of_a_packed_corpus_counts_its_windows(corpus_dir, cache
         assert result.steps == -(-windows // 8) and windows % 8, windows  # a short last step
         losses.append([m["loss"] for m in read_metrics(tmp_path / f"b{batch}")])
     assert max(abs(a - b) for a, b in zip(*losses)) < 1e-5, losses
+
+
+@pytest.mark.slow
+def test_adamw_8bit_snapshots_its_8bit_moments_and_resumes_bit_identical(folder, tmp_path,
+                                                                          monkeypatch):
+    """optim.name=adamw-8bit (bitsandbytes; on the CPU too): a full fine-tune whose snapshots
+    hold the optimizer's uint8 moments, loaded back without unpickling; stopped after its step-2
+    snapshot and run again, it ends bit-identical to the uninterrupted run."""
+    pytest.importorskip("bitsandbytes")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from paratrain import Trainer
+    from tests.distributed._snapshot_helpers import assert_bit_identical, interrupted_copy
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    rows = [json.loads(x) for x in Path("train.jsonl").read_text().splitlines()]
+
+    def fit(run_dir: Path):
+        return Trainer(model="./my-model", train_data=rows, devices="cpu", max_steps=4,
+                       batch_size=8, log_every=1, lr=3e-3, warmup_steps=1, progress_bar=False,
+                       run_dir=str(run_dir),
+                       overrides=["optim.name=adamw-8bit", "checkpoint.every_steps=2",
+                                  "checkpoint.record_samples=true"]).fit()
+
+    done = tmp_path / "done"
+    assert fit(done).steps == 4
+    meta = FileSystemReader(str(done / "checkpoints" / "step-0000002")).read_metadata()
+    moments = {k: str(v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+               if k.endswith((".state1", ".state2")) and hasattr(v, "size")}
+    assert "torch.uint8" in moments.values(), sorted(moments)[:4]
+    stopped = interrupted_copy(done, tmp_path / "stopped", keep_until=2)
+    assert fit(stopped).steps == 4
+    assert_bit_identical(stopped, done)
+
+
+@pytest.mark.slow
+def test_a_run_continued_to_its_snapshots_step_writes_the_model(folder, tmp_path, monkeypatch,
+                                                                 capfd):
+    """Continued from a snapshot to that snapshot's own step (checkpoint.resume=SNAPSHOT,
+    trainer.max_steps=its step), a run trains nothing and writes model/ from the snapshot. No
+    loss was logged before that step (trainer.log_every=10), so the closing lines leave the
+    final loss out; they used to stop on it with a TypeError after writing the model."""
+    from paratrain import cli
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    done, at2 = tmp_path / "done", tmp_path / "at2"
+    assert cli.main(_train("checkpoint.every_steps=2", f"run.dir={done}")) == 0
+    capfd.readouterr()
+    snapshot = done / "checkpoints" / "step-0000002"
+    assert cli.main(_train(f"checkpoint.resume={snapshot}", "trainer.max_steps=2",
+                           f"run.dir={at2}")) == 0
+    out, err = capfd.readouterr()
+    assert "resumed from step 2" in err and "Traceback" not in err, err[-3000:]
+    assert out.startswith("validation loss ") and "final loss" not in out, out
+    assert json.loads((at2 / "summary.json").read_text())["final_loss"] is None
+    assert (at2 / "model" / "model.safetensors").is_file()

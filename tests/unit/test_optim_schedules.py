@@ -126,3 +126,34 @@ def test_optim_keys_are_checked_with_the_fix():
         with pytest.raises(ConfigError, match=re.escape(needle)) as e:
             TrainConfig.from_yaml(None, [override])
         assert "\n" not in str(e.value)
+
+
+def test_adamw_8bit_keeps_8bit_moments_and_steps_like_adamw():
+    """optim.name=adamw-8bit is bitsandbytes' AdamW8bit, which runs on the CPU as well: the
+    moments of a large matrix are uint8 (blockwise-quantized), a small tensor's stay fp32 (its
+    min_8bit_size), the decay groups are ours, and five steps move the weights as torch's AdamW
+    does within a few percent (8-bit moments, not a different algorithm)."""
+    pytest.importorskip("bitsandbytes")
+    import copy
+
+    from torch import nn
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    start = nn.Sequential(nn.Linear(128, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    eight, plain = copy.deepcopy(start), copy.deepcopy(start)
+    o8 = build_optimizer(eight, OptimConfig(name="adamw-8bit", lr=1e-2), cpu)
+    o = build_optimizer(plain, OptimConfig(lr=1e-2), cpu)
+    x = torch.randn(16, 128)
+    for _ in range(5):
+        for model, opt in ((eight, o8), (plain, o)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    big, small = o8.state[eight[0].weight], o8.state[eight[0].bias]  # 8192 and 64 values
+    assert big["state1"].dtype == big["state2"].dtype == torch.uint8
+    assert small["state1"].dtype == torch.float32
+    assert [g["weight_decay"] for g in o8.param_groups] == \
+        [g["weight_decay"] for g in o.param_groups] == [OptimConfig().weight_decay, 0.0]
+    for p8, p, p0 in zip(eight.parameters(), plain.parameters(), start.parameters()):
+        moved = (p - p0).norm()
+        assert moved > 0 and (p8 - p).norm() < 0.05 * moved

@@ -76,6 +76,10 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, overwrite: bool = F
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read {mdir / MODEL_CONFIG} ({e}); pass a model folder "
                           f"written by paratrain") from None
+    if "model_type" in raw:  # a fine-tuning run's model/: written by transformers already
+        raise ConfigError(f"{mdir} is a Hugging Face folder already (from_pretrained loads it "
+                          "as it is); `checkpoint export` of a fine-tuning run exports its "
+                          "snapshots (checkpoints/step-NNNNNNN), and this run has none")
     if raw.get("arch") != "llama":
         raise ConfigError(f"{mdir} holds a model.arch={raw.get('arch')!r} model; only llama "
                           f"exports to Hugging Face format for now (train with model.arch=llama)")

@@ -258,15 +258,8 @@ class Snapshotter:
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from ..parallel.tensor import storable
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
-                                            options=self._state_options())
+                                            options=state_options(self.model))
         return storable({"model": model_sd, "optim": optim_sd})
-
-    def _state_options(self) -> Any:
-        """Trainable parameters only (and buffers) when some are frozen; then loading is not
-        strict, since the frozen ones are absent by design."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-        frozen = any(not p.requires_grad for p in self.model.parameters())
-        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
     # ---- resume --------------------------------------------------------------------------
     def resume(self) -> Optional[Resumed]:
@@ -390,12 +383,22 @@ class Snapshotter:
             dcp.load(state, checkpoint_id=url, planner=store.SafeLoadPlanner(),
                      process_group=self._pg, no_dist=not self.env.distributed)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=self._state_options())
+                       optim_state_dict=state["optim"], options=state_options(self.model))
         self.scheduler.load_state_dict(marker["scheduler"])
         if self.scaler is not None and marker.get("scaler"):
             self.scaler.load_state_dict(marker["scaler"])
         if marker["world_size"] == self.env.world_size:  # dropout continues where it was
             _set_rng_state(marker["ranks"][self.env.rank], self.env.device)
+
+
+def state_options(model: nn.Module) -> Any:
+    """What a snapshot holds of `model`, for saving and loading alike (the run's resume, and
+    `paratrain checkpoint export` of a fine-tuning run): trainable parameters only (and buffers)
+    when some are frozen; then loading is not strict, since the frozen ones are absent by
+    design."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def _rng_state(device: torch.device) -> dict:

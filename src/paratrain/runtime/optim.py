@@ -32,7 +32,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
                     device: torch.device) -> torch.optim.Optimizer:
     """`optim.name`'s optimizer over the trainable parameters. adamw: fused on CUDA (its fast
     path), foreach elsewhere, unless `optim.fused` says; adafactor: torch's (factored second
-    moments: a fraction of AdamW's state); adamw-8bit: bitsandbytes' (CUDA)."""
+    moments: a fraction of AdamW's state); adamw-8bit: bitsandbytes' AdamW8bit (uint8 moments
+    for tensors of 4096+ values; CUDA or CPU)."""
     groups = param_groups(model, cfg)
     betas = tuple(cfg.betas)
     if cfg.name == "adamw":
@@ -47,7 +48,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
         try:
             import bitsandbytes as bnb
         except ImportError:
-            raise ConfigError("optim.name=adamw-8bit needs the bitsandbytes package") from None
+            raise ConfigError("optim.name=adamw-8bit needs the bitsandbytes package: pip "
+                              "install bitsandbytes") from None
         return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     raise ConfigError(f"optim.name={cfg.name!r} is not a known optimizer")
 

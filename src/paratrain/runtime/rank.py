@@ -153,8 +153,10 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
                 unwritten = f"{type(e).__name__}: {first_line(e)}"
             else:
                 records.finish(summary)  # memory per rank to the sinks; report.png
-                log(env, f"done in {summary['wall_s']:.1f} s: final loss "
-                         f"{summary['final_loss']:.4f}; outputs in {cfg.run_dir}")
+                loss = summary["final_loss"]  # None: no step logged (resumed at the end)
+                log(env, f"done in {summary['wall_s']:.1f} s: " + (
+                    f"final loss {loss:.4f}; " if loss is not None else "") +
+                    f"outputs in {cfg.run_dir}")
         # nobody leaves before rank 0 has written the model; if it could not, a snapshot of the
         # last step (every rank) lets the same command write it without training again
         unwritten = env.broadcast_object(unwritten)

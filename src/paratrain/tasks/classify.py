@@ -44,6 +44,10 @@ class ClassifyTask(PretrainedTask):
     def encoder(cls, cfg: TrainConfig, tokenizer: Any, notes: list) -> Encoder:
         return _EncodeLabelled(cfg, tokenizer, notes)
 
+    @classmethod
+    def recorded_fields(cls, model_info: dict) -> dict:
+        return {"label_names": list(model_info.get("labels") or ())}
+
     def load_pretrained(self) -> nn.Module:
         """The pretrained model with a classification head for these labels (a new head,
         initialized from the seeded RNG, unless the folder already has one of the same size)."""

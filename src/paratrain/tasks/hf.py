@@ -103,6 +103,22 @@ class PretrainedTask(NoFrozenModels):
         return task
 
     @classmethod
+    def without_data(cls, cfg: TrainConfig, model_info: dict) -> "PretrainedTask":
+        """The task of a run, without its records: enough to build its model and save it
+        (`paratrain checkpoint export` of a snapshot). `model_info`: what the run's snapshots
+        recorded of its model (`model_info`)."""
+        from ..data.hf_tokenizer import load_tokenizer
+        quiet_transformers()
+        tokenizer_dir = Path(resolve_tokenizer(cfg.data, cfg.model)).expanduser()
+        tokenizer, _ = load_tokenizer(tokenizer_dir)
+        return cls(cfg, tokenizer, None, None, tokenizer_dir, **cls.recorded_fields(model_info))
+
+    @classmethod
+    def recorded_fields(cls, model_info: dict) -> dict:
+        """The task's own fields, from what `model_info` recorded (a classifier: its labels)."""
+        return {}
+
+    @classmethod
     def encode_records(cls, cfg: TrainConfig, tokenizer_dir: Path, train_src: Any, val_src: Any,
                        names: dict, split: bool = False) -> Encoded:
         """Load the tokenizer, read the records and encode them with the task's encoder
@@ -230,13 +246,21 @@ class PretrainedTask(NoFrozenModels):
         are, written atomically like every output; with LoRA, the merged model there and the
         adapter alone in adapter/ next to it."""
         if self.lora:
-            from .lora import ADAPTER_DIR, save_lora
-            save_lora(self.build_model(), state, out_dir, out_dir.parent / ADAPTER_DIR,
-                      self.add_files)
+            from .lora import ADAPTER_DIR
+            fresh = self.build_model()  # a CPU PeftModel of the same shape, to hold the state
+            fresh.load_state_dict(state)
+            self.save_lora(fresh, merged=out_dir, adapter=out_dir.parent / ADAPTER_DIR)
             return
         with atomic_dir(out_dir) as tmp:
             model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
             self.add_files(tmp)
+
+    def save_lora(self, model: nn.Module, *, merged: Optional[Path],
+                  adapter: Optional[Path]) -> None:
+        """A LoRA run's outputs from `model` (a CPU PeftModel holding the weights): the merged
+        `from_pretrained` folder and/or the adapter alone (peft's), each with add_files."""
+        from .lora import save_lora
+        save_lora(model, merged, adapter, self.add_files)
 
     def add_files(self, folder: Path) -> None:
         """What goes next to the weights: the tokenizer's files, as they are but for a class

@@ -16,7 +16,7 @@ meta-device copy of the model before any data is read (`PretrainedTask.prepare`)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -94,16 +94,17 @@ def describe_lora(model: nn.Module) -> str:
             f"({100.0 * trainable / max(total, 1):.2f}%)")
 
 
-def save_lora(fresh: nn.Module, state: dict, model_dir: Path, adapter_dir: Path,
+def save_lora(model: nn.Module, model_dir: Optional[Path], adapter_dir: Optional[Path],
               add_files: Callable[[Path], None]) -> None:
-    """Rank 0: load the run's full state into `fresh` (a new CPU PeftModel of the same shape),
-    then write the adapter alone and the merged model (plus `add_files`, e.g. the tokenizer),
-    each atomically."""
-    fresh.load_state_dict(state)
-    with atomic_dir(adapter_dir) as tmp:
-        fresh.save_pretrained(tmp, safe_serialization=True)  # adapter weights + config only
-        add_files(tmp)
-    merged = fresh.merge_and_unload()
-    with atomic_dir(model_dir) as tmp:
-        merged.save_pretrained(tmp, safe_serialization=True)
-        add_files(tmp)
+    """Rank 0: from `model`, a CPU PeftModel holding the trained weights, write the adapter alone
+    to `adapter_dir` and the merged model to `model_dir` (plus `add_files`, e.g. the tokenizer),
+    each atomically; either may be None. Merging changes `model` in place: the adapter first."""
+    if adapter_dir is not None:
+        with atomic_dir(adapter_dir) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)  # adapter weights + config only
+            add_files(tmp)
+    if model_dir is not None:
+        merged = model.merge_and_unload()
+        with atomic_dir(model_dir) as tmp:
+            merged.save_pretrained(tmp, safe_serialization=True)
+            add_files(tmp)
