@@ -52,7 +52,7 @@ def test_tp2_on_two_processes_is_one_process(request):
     one, tp = _ref(request, **ONE), _ref(request, **TP2)
     summary = read_summary(tp)
     assert summary["strategy"] == "tp" and summary["tensor_parallel"] == 2
-    assert summary["parallel_dims"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2}
+    assert summary["parallel_dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
     assert summary["global_batch_size"] == 8 and summary["grad_accum"] == 2
     assert_same_run(tp, one)
     # each rank holds half of every matrix (the norms' gains are replicated: a few hundred bytes)
