@@ -116,3 +116,23 @@ def test_stages_in_a_row_are_the_model_under_its_names(arch):
     names = [set(p.state_dict()) for p in parts]
     assert not names[0] & names[1] and names[0] | names[1] == set(model.state_dict())
     assert "layers.2.attention_norm.weight" in names[1] or "layers.2.ln_1.weight" in names[1]
+
+
+def _plan_rows(*overrides):
+    from paratrain.parallel.simulate import plan_at_scale
+    cfg = TrainConfig.from_yaml(None, ["model.preset=tiny", "model.num_layers=4",
+                                       "trainer.devices=cpu:4", "trainer.batch_size=2",
+                                       "trainer.global_batch_size=16", "plan.device_memory_gb=1",
+                                       "trainer.pipeline_parallel=2", *overrides])
+    rows = plan_at_scale(cfg)[0]
+    return {r.label: r for r in rows}
+
+
+def test_the_plan_counts_a_stage_and_the_micro_batches_in_flight():
+    """P=2 x DDP 2: rank 0 holds the embedding and half the blocks; GPipe keeps all 4
+    micro-batches of a step in flight, 1F1B at most P=2 of them."""
+    one_f_one_b, gpipe = _plan_rows()["ddp+pp2"], _plan_rows("trainer.pipeline_schedule=gpipe")
+    ddp = gpipe["ddp"]
+    assert one_f_one_b.asked and 0.45 < one_f_one_b.params_bytes / ddp.params_bytes < 0.55
+    assert gpipe["ddp+pp2"].activation_bytes == 2 * one_f_one_b.activation_bytes
+    assert one_f_one_b.sent["pp"]["send"] == 4 * 2 * 256 * 64 * 4  # M x (B, T, C) fp32
