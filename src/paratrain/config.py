@@ -123,6 +123,9 @@ class TrainerConfig:
     reshard_after_forward: bool = True  # fsdp: free full parameters after forward (less memory)
     shard_group_size: Optional[int] = None  # hsdp: ranks per shard group (null: those of a node)
     tensor_parallel: int = 1  # processes of a node that split each layer's matrices (1: off)
+    pipeline_parallel: int = 1  # stages: consecutive blocks on different processes (1: off)
+    pipeline_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved-1f1b (2 stages per process)
+    pipeline_split: Optional[List[int]] = None  # blocks per stage, in order (null: even)
     progress_bar: bool = True
     early_stopping_patience: Optional[int] = None  # stop after N evaluations without improvement
     early_stopping_threshold: float = 0.0  # an improvement lowers the validation loss by more

@@ -27,6 +27,8 @@ BACKENDS = ("auto", "gloo", "nccl")
 OPTIMIZERS = ("adamw", "adafactor", "sgd", "adamw-8bit")
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 INITS = ("gpt2", "torch")
+# trainer.pipeline_schedule -> the stages each process runs (interleaved: 2, "virtual" stages)
+PIPELINE_SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2}
 LORA_BIASES = ("none", "all", "lora_only")
 PRETRAINING_RUN_NAME = "stdlib-llama"  # run.name of a run that fine-tunes nothing
 
@@ -165,11 +167,78 @@ def validate(cfg: Any) -> None:
             check_weights(p)
         if not spec.pretrained:
             _check_hf_corpus_tokenizer(cfg)
+        _check_pipeline(cfg, spec, None)
         return
     # Model shape checks need the preset applied; models.presets does them (ConfigError too).
     args = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
                                 seq_length=cfg.data.seq_length)
     check_tp_heads(cfg.trainer.tensor_parallel, args.num_heads, args.num_kv_heads)
+    _check_pipeline(cfg, spec, args)
+
+
+def _check_pipeline(cfg: Any, spec: registry.TaskSpec, args: Any) -> None:
+    """trainer.pipeline_*: what a pipeline can split and run (`args`: the built-in model's
+    shape; None for a Hugging Face model). The processes' side (P divides the world) is checked
+    with the devices, in parallel/dims.py."""
+    tr = cfg.trainer
+    pp = tr.pipeline_parallel
+    if pp < 1:
+        raise ConfigError(f"trainer.pipeline_parallel={pp} must be >= 1 (1: off)")
+    _choice("trainer.pipeline_schedule", tr.pipeline_schedule, tuple(PIPELINE_SCHEDULES))
+    if pp == 1:
+        if tr.pipeline_split is not None:
+            raise ConfigError("trainer.pipeline_split sizes pipeline stages; set "
+                              "trainer.pipeline_parallel > 1 too, or leave it null")
+        return
+    key = f"trainer.pipeline_parallel={pp}"
+    refusals = [
+        (args is None or not spec.packed, f"{key} splits the built-in llama / gpt models "
+         f"(model.arch=llama|gpt) trained on data.format=packed; it cannot split "
+         f"{'a Hugging Face model' if args is None else f'data.format={cfg.data.format}'}; "
+         "use trainer.pipeline_parallel=1"),
+        (tr.strategy in ("dp", "fsdp", "hsdp", "single"), f"{key} runs with data parallelism "
+         f"trainer.strategy=ddp or auto over the rest of the processes, not {tr.strategy}"),
+        (tr.tensor_parallel > 1, f"{key} is not combined with trainer.tensor_parallel yet; "
+         "use one of them"),
+        (tr.cpu_offload, f"{key} does not offload to the CPU; set trainer.cpu_offload=false"),
+        (tr.precision == "fp16-mixed", f"{key} has no gradient scaler for fp16-mixed; use "
+         "trainer.precision=bf16-mixed or fp32"),
+        (not cfg.data.drop_last, f"{key} runs full micro-batches only; set data.drop_last=true"),
+        (args is not None and args.tie_embeddings, f"{key}: model.tie_embeddings=true shares "
+         "the embedding with the output head, which sit on different stages; set "
+         "model.tie_embeddings=false"),
+    ]
+    for refused, line in refusals:
+        if refused:
+            raise ConfigError(line)
+    pipeline_split(args.num_layers, pp, tr.pipeline_schedule, tr.pipeline_split)
+
+
+def pipeline_split(num_layers: int, pp: int, schedule: str,
+                   split: Optional[Sequence[int]] = None) -> tuple[int, ...]:
+    """Blocks per pipeline stage, in stage order (pp x the schedule's stages per process): the
+    `trainer.pipeline_split` given, checked, or as even as possible (the first stages take one
+    more). A ConfigError when a stage would be empty or the blocks do not add up."""
+    stages = pp * PIPELINE_SCHEDULES[schedule]
+    per = f"{stages} stages ({pp} processes x {stages // pp} with {schedule})"
+    if stages > num_layers:
+        raise ConfigError(f"trainer.pipeline_parallel={pp} needs {per}, more than the "
+                          f"{num_layers} blocks of the model (model.num_layers); use fewer "
+                          "stages or more layers")
+    if split is None:
+        base, extra = divmod(num_layers, stages)
+        return tuple(base + (i < extra) for i in range(stages))
+    split = tuple(int(n) for n in split)
+    if len(split) != stages:
+        raise ConfigError(f"trainer.pipeline_split={list(split)} has {len(split)} entries; "
+                          f"the pipeline has {per}: give one block count per stage")
+    if min(split) < 1:
+        raise ConfigError(f"trainer.pipeline_split={list(split)} leaves stage "
+                          f"{split.index(min(split))} empty; every stage needs >= 1 block")
+    if sum(split) != num_layers:
+        raise ConfigError(f"trainer.pipeline_split={list(split)} adds up to {sum(split)} "
+                          f"blocks, but the model has {num_layers} (model.num_layers)")
+    return split
 
 
 def _check_tensor_parallel(cfg: Any) -> None:

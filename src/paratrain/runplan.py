@@ -19,6 +19,7 @@ from .config import TrainConfig
 from .errors import ConfigError, DataError
 from .parallel.dims import ParallelDims
 from .parallel.memory_plan import Choice, choose, device_capacity, estimate
+from .parallel.pipeline import check_schedule, resolve_pipeline_parallel
 from .parallel.strategies import Parallelism, resolve_parallelism
 from .parallel.tensor import check_tp_plan, resolve_tensor_parallel
 from .tasks.base import Task
@@ -33,7 +34,8 @@ class RunPlan:
     local_world_size: int  # processes on this node
     parallelism: Parallelism
     parallelism_reason: str  # why this one: logged, and `strategy_reason` in summary.json
-    dims: ParallelDims  # how the world is factored (data-replicate x data-shard x tensor)
+    dims: ParallelDims  # how the world is factored (pipeline x data-replicate x data-shard x
+    # tensor)
     activation_checkpointing: bool
     precision: str
     micro_batch: int  # samples per process per micro-step (x GPUs under nn.DataParallel)
@@ -59,7 +61,12 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     from .records import loggers
     tr = cfg.trainer
     devices = list(devices)
-    if tr.tensor_parallel > 1:
+    if tr.pipeline_parallel > 1:
+        parallelism, why = resolve_pipeline_parallel(
+            tr.strategy, tr.pipeline_parallel, schedule=tr.pipeline_schedule,
+            split=tr.pipeline_split, num_layers=pipeline_blocks(task, tr.pipeline_parallel),
+            world_size=world_size, local_world_size=local_world_size, device=devices[0])
+    elif tr.tensor_parallel > 1:
         parallelism, why = resolve_tensor_parallel(
             tr.strategy, tr.tensor_parallel, world_size=world_size,
             local_world_size=local_world_size, device=devices[0],
@@ -77,6 +84,8 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     replicas = parallelism.replicas_per_process(len(devices))
     # the ranks of a tensor-parallel group read the same samples: the batch is split dp ways
     accum, global_batch = batch_plan(tr.batch_size, dims.dp * replicas, tr.global_batch_size)
+    if dims.pp > 1:  # the accumulation micro-batches are the pipeline's
+        check_schedule(parallelism, accum)
     per_epoch = steps_per_epoch(len(task.train_ds), global_batch, task, cfg.data.drop_last)
     ranks_here = ranks_on_host or local_world_size
     return RunPlan(
@@ -100,14 +109,25 @@ def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.
     tr = cfg.trainer
     probe = task.memory_probe()
     if tr.strategy != "auto" or world_size == 1 or tr.cpu_offload or probe is None \
-            or tr.tensor_parallel > 1:  # auto with tensor parallelism is fsdp (tensor.py)
-        return None
+            or tr.tensor_parallel > 1 or tr.pipeline_parallel > 1:
+        return None  # auto with tensor parallelism is fsdp (tensor.py), with a pipeline ddp
     rows = estimate(probe.build_model, world=world_size, precision=tr.precision,
                     micro_batch=tr.batch_size, seq_length=probe.seq_length,
                     vocab_size=probe.vocab_size, reshard_after_forward=tr.reshard_after_forward,
                     shard_group_size=tr.shard_group_size or local_world_size,
                     frozen_factory=probe.build_frozen)
     return choose(rows, device_capacity(device, local_world_size))
+
+
+def pipeline_blocks(task: Task, pp: int) -> int:
+    """The blocks a pipeline splits: those of the built-in Llama / GPT of a language-model task;
+    any other model (Hugging Face, a user's module) is refused in one line."""
+    from .tasks.lm import LMTask
+    if not isinstance(task, LMTask) or task.is_hf:
+        raise ConfigError(f"trainer.pipeline_parallel={pp} splits the built-in llama / gpt "
+                          f"models only; {type(task).__name__}'s model cannot be cut into "
+                          "stages: use trainer.pipeline_parallel=1")
+    return task.args.num_layers
 
 
 def steps_per_epoch(n_samples: int, global_batch: int, task: Any = None,

@@ -18,7 +18,7 @@ import torch
 
 from tests._runs import tiny_run
 # finish, start_cli: conftest's, the one CLI runner (tests that import them from here still can)
-from tests.conftest import finish, read_metrics, start_cli, tiny_overrides  # noqa: F401
+from tests.conftest import finish, read_metrics, run_cli, start_cli, tiny_overrides  # noqa: F401
 
 # 16 steps of 8 sequences, a snapshot every 4 steps, sample ids recorded.
 BASE = {"trainer.devices": "cpu:2", "trainer.batch_size": 4, "trainer.global_batch_size": 8,
@@ -115,6 +115,18 @@ def interrupted_copy(ref: Path, dst: Path, keep_until: int) -> Path:
         if int(p.name[5:]) > keep_until:
             shutil.rmtree(p)
     return dst
+
+
+def resume_under(request, tmp_path: Path, source: Path, layout: dict, step: int = 8) -> Path:
+    """BASE + `layout` continued from `source`'s step-`step` snapshot (`checkpoint.resume`): the
+    run dir of the resumed run, checked to have resumed."""
+    args = args_for(request.getfixturevalue("corpus_dir"), request.getfixturevalue("cache_dir"),
+                    "resumed", **layout,
+                    **{"checkpoint.resume": source / "checkpoints" / f"step-{step:07d}"})
+    r = run_cli(args, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from step {step}" in r.stderr
+    return tmp_path / "runs" / "resumed"
 
 
 def reference_run(tmp_path_factory, corpus_dir: Path, cache_dir: Path, **extra) -> Path:

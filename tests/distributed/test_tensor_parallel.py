@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.conftest import read_metrics, read_summary, run_cli
-from tests.distributed._snapshot_helpers import args_for, reference_run, samples, weights
+from tests.distributed._snapshot_helpers import args_for, reference_run, resume_under, samples, \
+    weights
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -52,7 +53,7 @@ def test_tp2_on_two_processes_is_one_process(request):
     one, tp = _ref(request, **ONE), _ref(request, **TP2)
     summary = read_summary(tp)
     assert summary["strategy"] == "tp" and summary["tensor_parallel"] == 2
-    assert summary["parallel_dims"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2}
+    assert summary["parallel_dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
     assert summary["global_batch_size"] == 8 and summary["grad_accum"] == 2
     assert_same_run(tp, one)
     # each rank holds half of every matrix (the norms' gains are replicated: a few hundred bytes)
@@ -78,13 +79,7 @@ def test_fsdp_x_tp_snapshot_resumes_under_another_layout(request, tmp_path, layo
     """Steps 9-16 continued from the FSDP x TP run's step-8 snapshot by DDP on 2 processes or by
     one process are the FSDP x TP run's own steps 9-16."""
     source = _ref(request, **FSDP_TP)
-    args = args_for(request.getfixturevalue("corpus_dir"), request.getfixturevalue("cache_dir"),
-                    "resumed", **layout,
-                    **{"checkpoint.resume": source / "checkpoints" / "step-0000008"})
-    r = run_cli(args, cwd=tmp_path, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from step 8" in r.stderr
-    assert_same_run(tmp_path / "runs" / "resumed", source, first_step=9)
+    assert_same_run(resume_under(request, tmp_path, source, layout), source, first_step=9)
 
 
 def test_fsdp_snapshot_resumes_under_fsdp_x_tp(request, tmp_path):

@@ -73,6 +73,9 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     block_class = Block
+    # what a pipeline's first stage holds besides blocks, and its last (parallel/pipeline.py)
+    pipeline_input = ("wte", "wpe", "dropout")
+    pipeline_output = ("ln_f", "lm_head")
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -95,8 +98,14 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         mask = check_input(idx, attention_mask, self.args.max_seq_length)
-        pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
-        x = self.dropout(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.embed(idx)  # (B, T, C)
         for block in self.layers:
             x = block(x, mask)  # (B, T, C)
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+        return self.head(x)  # (B, T, V)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
+        return self.dropout(self.wte(idx) + self.wpe(pos))  # (B, T) -> (B, T, C)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, C) -> (B, T, V)

@@ -153,6 +153,10 @@ def padding_to_attn_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 class Llama(nn.Module):
     block_class = TransformerBlock
+    # what a pipeline's first stage holds besides blocks, and its last (parallel/pipeline.py):
+    # the modules `embed` and `head` read
+    pipeline_input = ("tok_embeddings", "dropout")
+    pipeline_output = ("norm", "lm_head")
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -174,10 +178,16 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         mask = check_input(idx, attention_mask, self.args.max_seq_length)
-        x = self.dropout(self.tok_embeddings(idx))  # (B, T, C)
+        x = self.embed(idx)  # (B, T, C)
         for block in self.layers:
             x = block(x, mask)  # (B, T, C)
-        return self.lm_head(self.norm(x))  # (B, T, V)
+        return self.head(x)  # (B, T, V)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.tok_embeddings(idx))  # (B, T) -> (B, T, C)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))  # (B, T, C) -> (B, T, V)
 
 
 def gpt2_init(model: nn.Module, num_layers: int, residual: tuple[str, ...]) -> None:

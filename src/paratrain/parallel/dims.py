@@ -2,16 +2,17 @@
 
 A run's processes form a grid, outermost dimension first:
 
-    dp_replicate x dp_shard x tp        (world = the product)
+    pp x dp_replicate x dp_shard x tp        (world = the product)
 
 - `tp`: tensor parallelism. The ranks of one TP group hold slices of the same matrices and see the
   same batch; it is innermost, so a group is consecutive ranks, one node's processes (its
   collectives run every layer and want the fastest links).
 - `dp_shard`: data parallelism that shards parameters, gradients and optimizer state (FSDP).
 - `dp_replicate`: data parallelism that replicates them (DDP, or HSDP's replicas across nodes).
-
-A pipeline dimension (`pp`) would go outermost, before `dp_replicate`: stages span nodes and
-send only activations between them.
+- `pp`: pipeline parallelism (parallel/pipeline.py), outermost: the ranks of one stage are
+  consecutive, and stages span nodes, sending only one activation per micro-batch between them.
+  Every stage reads the same samples (the first needs the inputs, the last the targets); only
+  the last computes the loss, so only its ranks count sums.
 
 Everything that asks "which data does this rank read, and does its loss count" asks this object:
 the samplers read `data_rank`/`dp`, the loss scale divides by `dp`, and only the first rank of
@@ -27,7 +28,7 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 
-MESH_NAMES = ("dp_replicate", "dp_shard", "tp")
+MESH_NAMES = ("dp_replicate", "dp_shard", "tp")  # the mesh of a stage; `pp` goes before
 
 
 @dataclass(frozen=True)
@@ -35,17 +36,24 @@ class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    pp: int = 1  # pipeline stages (outermost; a keyword: the older positional form stays)
 
     def __post_init__(self) -> None:
-        if min(self.shape) < 1:
+        if min(self.shape) < 1 or self.pp < 1:
             raise ValueError(f"parallel degrees must be >= 1, got {self}")
 
     @property
     def shape(self) -> tuple[int, int, int]:
+        """The grid of one pipeline stage (the whole world without pipeline parallelism)."""
         return (self.dp_replicate, self.dp_shard, self.tp)
 
     @property
     def world(self) -> int:
+        return self.pp * math.prod(self.shape)
+
+    @property
+    def stage_world(self) -> int:
+        """Processes of one pipeline stage."""
         return math.prod(self.shape)
 
     @property
@@ -58,16 +66,22 @@ class ParallelDims:
         return self.tp > 1
 
     def data_rank(self, rank: int) -> int:
-        """Which slice of the global batch `rank` reads: the ranks of a TP group read the same."""
-        return rank // self.tp
+        """Which slice of the global batch `rank` reads: the ranks of a TP group read the same,
+        and so do the stages of a pipeline."""
+        return (rank % self.stage_world) // self.tp
+
+    def pp_rank(self, rank: int) -> int:
+        """Which pipeline stage `rank` runs (the first of them, under an interleaved schedule)."""
+        return rank // self.stage_world
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
     def counts(self, rank: int) -> bool:
         """Whether this rank's loss sums and sample counts are added up: one rank per TP group
-        (its peers computed the same numbers from the same batch)."""
-        return self.tp_rank(rank) == 0
+        (its peers computed the same numbers from the same batch), on the pipeline's last stage
+        (where the loss is)."""
+        return self.tp_rank(rank) == 0 and self.pp_rank(rank) == self.pp - 1
 
     def shard_rank(self, rank: int) -> int:
         """The rank's coordinate on the data-sharding dimension (which FSDP shard it holds)."""
@@ -78,6 +92,9 @@ class ParallelDims:
         it once, and every parallel piece slices this one mesh (FSDP requires the data and tensor
         meshes to share a root)."""
         from torch.distributed.device_mesh import init_device_mesh
+        if self.pp > 1:  # the stage's mesh is sliced from it by name, as without
+            return init_device_mesh(mesh_device_type(device_type), (self.pp, *self.shape),
+                                    mesh_dim_names=("pp", *MESH_NAMES))
         mesh = init_device_mesh(mesh_device_type(device_type), self.shape,
                                 mesh_dim_names=MESH_NAMES)
         if self.tp > 1:
@@ -88,12 +105,12 @@ class ParallelDims:
 
     @property
     def label(self) -> str:
-        """e.g. `dp_shard=2 x tp=2`, the dimensions above one."""
-        parts = [f"{n}={d}" for n, d in zip(MESH_NAMES, self.shape) if d > 1]
+        """e.g. `pp=2 x dp_replicate=2`, the dimensions above one."""
+        parts = [f"{n}={d}" for n, d in self.to_dict().items() if d > 1]
         return " x ".join(parts) or "one process"
 
     def to_dict(self) -> dict:
-        return dict(zip(MESH_NAMES, self.shape))
+        return {"pp": self.pp, **dict(zip(MESH_NAMES, self.shape))}
 
 
 def mesh_device_type(device_type: str) -> str:
@@ -124,6 +141,14 @@ def check_tensor_parallel(tp: int, *, world: int, local_world: int,
     if shard_group is not None and shard_group % tp:
         raise ConfigError(f"trainer.shard_group_size={shard_group} is not a multiple of {key}: "
                           "an HSDP shard group holds whole tensor-parallel groups")
+
+
+def check_pipeline_parallel(pp: int, *, world: int) -> None:
+    """One ConfigError line when `trainer.pipeline_parallel=pp` cannot split this job's
+    processes into equal stages."""
+    if pp > 1 and world % pp:
+        raise ConfigError(f"trainer.pipeline_parallel={pp} does not divide the world of {world} "
+                          f"processes into equal stages; use one of {_divisors_text(world)}")
 
 
 def _divisors_text(n: int) -> str:

@@ -38,6 +38,7 @@ from .fake_world import fake_world
 from .memory import SavedTensorMeter, local_bytes
 from .memory_plan import MARGIN, Choice, Estimate, choose
 from .precision import mixed_dtype, prepare_model
+from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .strategies import Parallelism, parallelize, resolve_parallelism
 from .tensor import resolve_tensor_parallel
 
@@ -99,11 +100,13 @@ class Workload:
 
 
 def candidates(target: Target, *, heads: int, kv_heads: int, requested: str, tp: int,
-               reshard_after_forward: bool = True) -> list[tuple[Parallelism, bool, bool]]:
+               reshard_after_forward: bool = True, pipeline: Optional[PipelineParallel] = None
+               ) -> list[tuple[Parallelism, bool, bool]]:
     """(parallelism, activation checkpointing, asked) in `auto`'s order, fastest first: replicate;
     shard within nodes and replicate across; shard over all; shard and split layers (TP inside
     a node, the smallest degree first); the same recomputing blocks; shard and offload. The
-    layout the config asks for is always among them."""
+    layout the config asks for is always among them (`pipeline`: a pipeline is asked for; it
+    is never one of auto's own)."""
     world, local = target.world, target.devices_per_node
     kw = dict(world_size=world, local_world_size=local, device=META,
               reshard_after_forward=reshard_after_forward)
@@ -122,7 +125,8 @@ def candidates(target: Target, *, heads: int, kv_heads: int, requested: str, tp:
         [(p, True) for p in plain[-1:] + split if world > 1]
     if world > 1:
         rows.append((resolve_parallelism("fsdp", cpu_offload=True, **kw)[0], True))
-    asked = (tensor(requested, tp) if tp > 1 else data(requested), False)
+    asked = (pipeline if pipeline is not None else tensor(requested, tp) if tp > 1
+             else data(requested), False)
     if asked not in rows:
         rows.insert(0, asked)
     return [(p, ac, (p, ac) == asked) for p, ac in rows]
@@ -134,8 +138,11 @@ def simulate(work: Workload, target: Target,
     activations: dict[tuple[int, bool], dict] = {}  # by (tp degree, checkpointing): shared
     rows = []
     for parallelism, ac, asked in layouts:
-        state = _linear(work, lambda blocks: _state(work, blocks, parallelism, target))
         dims = parallelism.layout(target.world)
+        if dims.pp > 1:
+            rows.append(_pipeline_row(work, target, parallelism, ac, asked))
+            continue
+        state = _linear(work, lambda blocks: _state(work, blocks, parallelism, target))
         key = (dims.tp, ac)
         if key not in activations:
             activations[key] = _linear(work, lambda blocks: _activations(
@@ -155,6 +162,45 @@ def simulate(work: Workload, target: Target,
         rows.append(Simulated(parallelism, ac, *parts, activation_bytes, peak, sent=sent,
                               asked=asked, dims=dims.label))
     return rows
+
+
+def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
+                  asked: bool) -> Simulated:
+    """Rank 0 of a pipeline: its stages' part of the model (the embedding and their blocks),
+    one micro-batch's saved activations times the micro-batches its schedule keeps in flight
+    (GPipe: all M of a step; 1F1B and interleaved: up to P, the first stage's worst case), the
+    activations it sends on to the next stage in every forward, and its replicas' gradient
+    all-reduce. Built whole on the meta device: no splitting, so no linear shortcut needed."""
+    from .strategies import apply_activation_checkpointing
+    dims, stages = pipeline.dims, pipeline.stages_of(0)
+    blocks = sum(len(pipeline.blocks_of(s)) for s in stages)
+    last = len(pipeline.split) - 1 in stages
+    with fused_attention():
+        model = _model(work, blocks)
+        compute = mixed_dtype(work.precision)
+        if compute is not None:
+            model.to(compute)
+        if ac:
+            apply_activation_checkpointing(model)
+        part = ModelPart(model, range(blocks), first=True, last=last)
+        idx = torch.zeros(work.micro_batch, work.seq_length, dtype=torch.long, device=META)
+        with SavedTensorMeter(part) as meter:
+            out = part(idx)  # (B, T, C), or (B, T, V) when this rank holds the last stage too
+            if last:
+                nn.functional.cross_entropy(out.float().flatten(0, 1), idx.flatten())
+    named = dict(part.named_parameters())
+    state = {"numel": sum(p.numel() for p in named.values()), "root_numel": 0}
+    micro = work.accum(dims.dp)
+    in_flight = micro if pipeline.schedule == "gpipe" else min(micro, dims.pp)
+    sends = len(stages) - int(last)  # every stage but the last sends its output on
+    sent = _data_parallel_traffic(work, pipeline, state, target.world, micro)
+    sent["pp"] = {"send": sends * micro * work.micro_batch * work.seq_length *
+                  model.args.hidden_size * _param_bytes(work.precision)}
+    params = local_bytes(named.values())
+    parts = (params, params, 2 * params + 4 * len(named))
+    activation_bytes = meter.bytes * in_flight
+    return Simulated(pipeline, ac, *parts, activation_bytes, activation_bytes + sum(parts),
+                     sent=sent, asked=asked, dims=dims.label)
 
 
 def _linear(work: Workload, measure: Callable[[int], dict]) -> dict:
@@ -336,9 +382,15 @@ def plan_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
     work = Workload(lambda blocks: build_model(dataclasses.replace(args, num_layers=blocks)),
                     args.num_layers, args.vocab_size, cfg.data.seq_length, tr.batch_size,
                     tr.global_batch_size, tr.precision, tr.reshard_after_forward)
+    requested = tr.strategy if tr.strategy != "single" else "ddp"
+    pipeline = resolve_pipeline_parallel(
+        requested, tr.pipeline_parallel, schedule=tr.pipeline_schedule, split=tr.pipeline_split,
+        num_layers=args.num_layers, world_size=target.world,
+        local_world_size=target.devices_per_node, device=META)[0] \
+        if tr.pipeline_parallel > 1 else None
     layouts = candidates(target, heads=args.num_heads, kv_heads=args.num_kv_heads,
-                         requested=tr.strategy if tr.strategy != "single" else "ddp",
-                         tp=tr.tensor_parallel, reshard_after_forward=tr.reshard_after_forward)
+                         requested=requested, tp=tr.tensor_parallel,
+                         reshard_after_forward=tr.reshard_after_forward, pipeline=pipeline)
     rows = simulate(work, target, layouts)
     return rows, target, choose(rows, target.capacity), work
 

@@ -32,6 +32,7 @@ from ..dist import DistEnv
 from ..launch import watchdog
 from ..launch.preemption import StopSignals, stop_line
 from ..parallel.memory import SavedTensorMeter, format_memory_table, gather_memory, local_bytes
+from ..parallel.pipeline import Pipeline
 from ..records import loggers
 from ..records.console import ProgressBar
 from ..records.metrics import MetricsLog, Throughput
@@ -47,8 +48,10 @@ class TrainLoop:
                  optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, task: Task, *,
                  snapshots: Optional[Snapshotter] = None, resumed: Optional[Resumed] = None,
                  on_best: Optional[Callable[[int], None]] = None,
-                 stop: Optional[StopSignals] = None, frozen: Frozen = NO_FROZEN):
+                 stop: Optional[StopSignals] = None, frozen: Frozen = NO_FROZEN,
+                 pipeline: Optional[Pipeline] = None):
         cfg = plan.cfg
+        self.pipeline = pipeline  # set: the schedule runs a step's micro-batches (pipeline.py)
         self.plan, self.cfg, self.env, self.model = plan, cfg, env, model
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.task, self.frozen = task, frozen  # frozen: models the loss runs, never trained
@@ -239,7 +242,7 @@ class TrainLoop:
         """One optimizer step over `accum` micro-batches; returns this rank's (sum of losses,
         loss units), the global gradient norm before clipping, the loss units of the whole
         global batch, and this rank's sums of the task's training counts (`train_counts`)."""
-        env, model, parallelism = self.env, self.model, self.plan.parallelism
+        env, model = self.env, self.model
         per_sample = self.task.units_per_sample
         if per_sample is not None:  # every sample counts the same: no need to ask the others
             samples = self.sampler.samples_in_step(self.step % self.steps_per_epoch)
@@ -250,7 +253,42 @@ class TrainLoop:
             global_units = float(env.all_reduce_sum([mine])[0])
         # the data-parallel mean of the gradients undoes the `* dp`
         scale = self.dp / max(global_units, 1.0)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        if self.pipeline is not None:  # every micro-batch through this rank's stages
+            self.progress.at(self.step + 1, "forward")
+            loss_sum, units = self.pipeline.train_step(micro, scale)
+            counts: dict = {}
+        else:
+            loss_sum, units, counts = self._accumulate(micro, scale)
+        self.progress.at(self.step + 1, "optimizer")
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+        clip = self.cfg.optim.grad_clip or float("inf")
+        if self.pipeline is not None:  # the norm of the whole model, over the stages
+            norm = self.pipeline.clip_grad_norm_(clip)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the lr this step used: the one logged
+        self.scheduler.step()
+        if self.grads_bytes is None:
+            self.grads_bytes = local_bytes(p.grad for p in model.parameters())
+        self.optimizer.zero_grad(set_to_none=True)
+        if not self.counts_sums:  # a tensor-parallel peer or an earlier pipeline stage: the
+            loss_sum, units, counts = torch.zeros(()), 0, dict.fromkeys(counts, 0.0)  # last
+        return (float(loss_sum), float(units), float(norm), global_units,  # stage counts
+                {k: float(v) for k, v in counts.items()})
+
+    def _accumulate(self, micro: list[Any], scale: float) -> tuple[torch.Tensor, int, dict]:
+        """Forward and backward of each micro-batch in turn, gradients synced on the last;
+        this rank's (sum of losses, loss units, the task's counts)."""
+        model, parallelism = self.model, self.plan.parallelism
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         units = 0
         counts: dict = {}
         for i, mb in enumerate(micro):
@@ -272,27 +310,7 @@ class TrainLoop:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += s.detach().double()
             units += n
-        self.progress.at(self.step + 1, "optimizer")
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
-        clip = self.cfg.optim.grad_clip or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.step_lr = self.scheduler.get_last_lr()[0]  # the lr this step used: the one logged
-        self.scheduler.step()
-        if self.grads_bytes is None:
-            self.grads_bytes = local_bytes(p.grad for p in model.parameters())
-        self.optimizer.zero_grad(set_to_none=True)
-        if not self.counts_sums:  # a tensor-parallel peer: the group's first rank counts these
-            loss_sum, units, counts = torch.zeros(()), 0, dict.fromkeys(counts, 0.0)
-        return (float(loss_sum), float(units), float(norm), global_units,
-                {k: float(v) for k, v in counts.items()})
+        return loss_sum, units, counts
 
     def _stand_in_batch(self) -> Any:
         """One training sample, collated: what a rank runs for an empty micro-batch."""
@@ -338,6 +356,13 @@ class TrainLoop:
         n_batches = math.ceil(math.ceil(n / self.dp) / b)  # the same on every rank
         was_training = self.model.training
         self.model.eval()
+        if self.pipeline is not None:  # forward only through the stages; the last one sums
+            total, count = self.pipeline.evaluate(
+                [collate([self.val_ds[j] for j in mine[i * b:(i + 1) * b]])
+                 if mine[i * b:(i + 1) * b] else None for i in range(n_batches)],
+                b, self.cfg.data.seq_length)
+            self.model.train(was_training)
+            return env.weighted_mean(total, count)
         total = count = 0.0
         extra: dict = {}  # the task's counts, summed
         # a bar on rank 0 when validation lasts more than 2 s (the final one: ~20 s by default)

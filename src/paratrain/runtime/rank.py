@@ -23,6 +23,7 @@ from ..launch.preemption import StopSignals
 from ..models import count_params
 from ..models.files import MODEL_DIR
 from ..parallel.memory import format_memory_table, gather_memory
+from ..parallel.pipeline import Pipeline
 from ..parallel.precision import prepare_model
 from ..parallel.strategies import parallelize, parallelize_frozen
 from ..records import loggers
@@ -31,7 +32,7 @@ from ..records.timeline import Timeline
 from ..redact import redact_url
 from ..runplan import RunPlan, auto_choice, make_plan
 from ..tasks import registry
-from ..tasks.base import Task, TaskRecords
+from ..tasks.base import Task, TaskRecords, token_loss_sum
 from . import optim
 from .loop import TrainLoop
 
@@ -70,7 +71,7 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
         if plan is None:
             plan = plan_on_ranks(cfg, env, task)
         timeline.mark("data")
-        model, optimizer, scheduler, scaler, n_params, frozen = _build(plan, env, task)
+        model, optimizer, scheduler, scaler, n_params, frozen, pipeline = _build(plan, env, task)
         snapshots = Snapshotter(plan, env, model, optimizer, scheduler, scaler,
                                 model_info=task.model_info, tokenizer_path=task.tokenizer_path)
         resumed = snapshots.resume()
@@ -101,7 +102,8 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
 
         loop = TrainLoop(plan, env, model, optimizer, scheduler, scaler, task, frozen=frozen,
                          snapshots=snapshots, resumed=resumed,
-                         on_best=save_best if cfg.trainer.keep_best else None, stop=stop)
+                         on_best=save_best if cfg.trainer.keep_best else None, stop=stop,
+                         pipeline=pipeline)
         stall_watchdog.watch(loop.progress)
         records = loggers.RunRecords.open(cfg, env, start_step=loop.step)  # TensorBoard, ...
         timeline.mark("records")
@@ -207,16 +209,26 @@ def plan_on_ranks(cfg: TrainConfig, env: DistEnv, task: Task) -> RunPlan:
 
 
 def _build(plan: RunPlan, env: DistEnv, task: Task
-           ) -> tuple[Any, Any, Any, Any, int, dict[str, nn.Module]]:
+           ) -> tuple[Any, Any, Any, Any, int, dict[str, nn.Module], Optional[Pipeline]]:
     """(wrapped model, optimizer, LR scheduler, gradient scaler, parameter count, the task's
-    frozen models placed and sharded like the model: outside the optimizer and snapshots)."""
+    frozen models placed and sharded like the model: outside the optimizer and snapshots, and
+    the pipeline when there is one: the model is then this rank's part of it)."""
     tr = plan.cfg.trainer
     torch.manual_seed(tr.seed)  # the same initial weights on every rank
     model = prepare_model(task.build_model(), plan.precision)
     n_params = count_params(model)
-    model = parallelize(model, plan.parallelism, env, precision=plan.precision,
-                        activation_checkpointing=plan.activation_checkpointing,
-                        compile=tr.compile, wrap=task.fsdp_wrap)
+    pipeline = None
+    if plan.dims.pp > 1:  # this rank's stages, and the schedule that runs them
+        pipeline = Pipeline(plan.parallelism, model, env, micro_batches=plan.accum,
+                            precision=plan.precision, label_smoothing=tr.label_smoothing,
+                            loss_sum=token_loss_sum,
+                            activation_checkpointing=plan.activation_checkpointing,
+                            compile=tr.compile)
+        model = pipeline.model
+    else:
+        model = parallelize(model, plan.parallelism, env, precision=plan.precision,
+                            activation_checkpointing=plan.activation_checkpointing,
+                            compile=tr.compile, wrap=task.fsdp_wrap)
     frozen = {name: parallelize_frozen(prepare_model(m, plan.precision), plan.parallelism, env,
                                        precision=plan.precision, wrap=task.fsdp_wrap)
               for name, m in task.build_frozen().items()}
@@ -224,7 +236,7 @@ def _build(plan: RunPlan, env: DistEnv, task: Task
     optimizer = optim.build_optimizer(model, plan.cfg.optim, env.device)
     scheduler = optim.build_scheduler(optimizer, plan.cfg.optim, plan.total_steps)
     scaler = plan.parallelism.grad_scaler(plan.precision, env.device)
-    return model, optimizer, scheduler, scaler, n_params, frozen
+    return model, optimizer, scheduler, scaler, n_params, frozen, pipeline
 
 
 def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
@@ -236,9 +248,11 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
              f"({plan.parallelism_reason}); {env.world_size} worker(s) on {env.device.type}; "
              f"precision {plan.precision}")
     dims = plan.dims
-    split = f"{env.world_size} workers" if dims.tp == 1 else \
+    split = f"{env.world_size} workers" if dims.tp == 1 and dims.pp == 1 else \
         f"{dims.dp} data-parallel group{'s' if dims.dp > 1 else ''} of {dims.tp} " \
-        "tensor-parallel workers"
+        "tensor-parallel workers" if dims.pp == 1 else \
+        f"{dims.dp} data-parallel worker{'s' if dims.dp > 1 else ''} per stage of a " \
+        f"{dims.pp}-stage pipeline"
     log(env, f"batch: {tr.batch_size} per device x {split} x {plan.accum} "
              f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps "
              f"({plan.steps_per_epoch} per epoch)")
@@ -268,7 +282,8 @@ def run_summary(plan: RunPlan, env: DistEnv, task: Task, loop: TrainLoop, last: 
         "world_size": env.world_size, "nnodes": env.nnodes, "world_history": world_history,
         "strategy": plan.parallelism.name,
         "strategy_reason": plan.parallelism_reason,
-        "tensor_parallel": plan.dims.tp, "parallel_dims": plan.dims.to_dict(),
+        "tensor_parallel": plan.dims.tp, "pipeline_parallel": plan.dims.pp,
+        "parallel_dims": plan.dims.to_dict(),
         "activation_checkpointing": plan.activation_checkpointing,
         "cpu_offload": plan.parallelism.offloads_to_host,
         "precision": plan.precision, "batch_size": cfg.trainer.batch_size,

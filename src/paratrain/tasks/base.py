@@ -149,10 +149,16 @@ def token_loss(model: nn.Module, batch: dict, device: torch.device,
     with amp:
         out = model(idx, attention_mask=batch.get("attention_mask"))
     logits = out.logits if hasattr(out, "logits") else out  # (B, T, V); HF returns an object
-    s = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                        ignore_index=IGNORE_INDEX, reduction="sum",
-                        label_smoothing=label_smoothing)
-    return s, int((targets != IGNORE_INDEX).sum())
+    return token_loss_sum(logits, targets, label_smoothing), int((targets != IGNORE_INDEX).sum())
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor,
+                   label_smoothing: float = 0.0) -> torch.Tensor:
+    """Cross-entropy summed over the counted targets: logits (B, T, V), targets (B, T). The
+    loop's micro-steps and a pipeline's last stage (parallel/pipeline.py) both use it."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum",
+                           label_smoothing=label_smoothing)
 
 
 def sequence_logps(model: nn.Module, batch: dict, amp: ContextManager) -> torch.Tensor:

@@ -1,0 +1,259 @@
+"""Pipeline parallelism: consecutive blocks of the model on different processes, kept busy by a
+schedule of micro-batches (torch.distributed.pipelining), with data parallelism over the rest.
+
+`trainer.pipeline_parallel=P` cuts a built-in Llama / GPT at block boundaries into stages (the
+embedding on the first, the final norm, the output projection and the loss on the last; how many
+blocks each: config_checks.pipeline_split). Stage s runs on the ranks of pipeline coordinate
+s mod P (interleaved-1f1b gives each process 2 stages, s and s + P); only one activation per
+micro-batch crosses between stages, which is why the pipeline dimension is outermost in the mesh
+(parallel/dims.py): it may span slow links between nodes.
+
+The global-batch contract holds as in the loop: the schedule's micro-batches are the batch plan's
+accumulation micro-batches (the same samples, split the same way), and the last stage's loss
+function returns sum(token losses) x dp / (tokens in the global batch), the loop's scale, so the
+gradients are those of one process (torch's own 1/M scaling is off). Loss sums live on the last
+stage; the loop's all-reduce of (sum, count) brings them to rank 0's log (dims.counts).
+
+Each rank keeps its part of the model as a `ModelPart` under the whole model's names
+(`layers.5.attention.wq.weight`), so the optimizer, snapshots (DCP) and the final model/ see a
+piece of the one model: a snapshot moves between pipeline and data-parallel layouts as is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..config_checks import PIPELINE_SCHEDULES, pipeline_split
+from ..data.dataset import IGNORE_INDEX
+from ..dist import DistEnv
+from ..errors import ConfigError
+from .dims import ParallelDims, check_pipeline_parallel
+from .strategies import Parallelism, apply_activation_checkpointing, apply_compile, \
+    resolve_parallelism
+
+
+@dataclass(frozen=True)
+class PipelineParallel(Parallelism):
+    """`trainer.pipeline_parallel=P`: `split[s]` blocks in stage s, run by `schedule`, and
+    `data` (ddp, or single) over the dims.dp processes of each stage: replicas whose gradients
+    are averaged after each step's schedule (`Pipeline._average_gradients`)."""
+    dims: ParallelDims = field(default_factory=ParallelDims)
+    data: Parallelism = field(default_factory=Parallelism)
+    schedule: str = "1f1b"
+    split: tuple[int, ...] = ()  # blocks per stage, in stage order
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "pp" if self.dims.dp == 1 else f"{self.data.name}+pp"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}{self.dims.pp}"
+
+    def layout(self, world: int) -> ParallelDims:
+        return self.dims
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages `rank` runs: its pipeline coordinate, and P further per virtual stage."""
+        first = self.dims.pp_rank(rank)
+        return list(range(first, len(self.split), self.dims.pp))
+
+    def blocks_of(self, stage: int) -> list[int]:
+        start = sum(self.split[:stage])
+        return list(range(start, start + self.split[stage]))
+
+    def full_state_dict(self, model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
+        """Every stage's part, gathered on rank 0 from the first rank of each stage (the others
+        hold copies): the whole model under its own names."""
+        import torch.distributed as dist
+        first_of_stage = env.rank % self.dims.stage_world == 0
+        mine = {k: v.detach().cpu() for k, v in model.state_dict().items()} \
+            if first_of_stage else {}
+        parts: Optional[list] = [None] * env.world_size if env.is_master else None
+        dist.gather_object(mine, parts, dst=0)  # our own processes' tensors
+        return {k: v for part in parts for k, v in part.items()} if parts else {}
+
+    def state_numel(self, shape: torch.Size, world: int, rank: int = 0) -> int:
+        raise NotImplementedError("a pipeline stage holds whole layers, not a share of each: "
+                                  "count the stage's own parameters")
+
+
+def resolve_pipeline_parallel(requested: str, pp: int, *, schedule: str,
+                              split: Optional[Sequence[int]], num_layers: int, world_size: int,
+                              local_world_size: int, device: torch.device
+                              ) -> tuple[PipelineParallel, str]:
+    """(parallelism, why) for `trainer.pipeline_parallel=pp`: the stages' blocks, and the data
+    parallelism over world / pp processes (`auto`: ddp), fixed in one ParallelDims."""
+    check_pipeline_parallel(pp, world=world_size)
+    stage_world = world_size // pp
+    data, why = resolve_parallelism("ddp" if requested == "auto" else requested,
+                                    world_size=stage_world,
+                                    local_world_size=max(1, local_world_size // pp),
+                                    device=device)
+    dims = ParallelDims(dp_replicate=stage_world, pp=pp)
+    blocks = pipeline_split(num_layers, pp, schedule, split)
+    return (PipelineParallel(dims=dims, data=data, schedule=schedule, split=blocks),
+            f"{why if stage_world > 1 else 'no data parallelism left'}; pipeline of {pp} "
+            f"stages-processes ({schedule}, blocks per stage {list(blocks)})")
+
+
+def check_schedule(parallelism: PipelineParallel, micro_batches: int) -> None:
+    """The schedule must be able to run `micro_batches` (the accumulation micro-steps) in
+    rounds: interleaved-1f1b runs them P at a time."""
+    pp = parallelism.dims.pp
+    rounds = max(1, micro_batches // pp)
+    if PIPELINE_SCHEDULES[parallelism.schedule] > 1 and micro_batches % rounds:
+        raise ConfigError(f"trainer.pipeline_schedule={parallelism.schedule} runs the "
+                          f"{micro_batches} micro-batches of a step in rounds of {pp}: make the "
+                          f"accumulation micro-steps (trainer.global_batch_size / "
+                          f"(trainer.batch_size x data-parallel processes)) a multiple of {pp}")
+
+
+class ModelPart(nn.Module):
+    """Some blocks of a built-in model, with its embedding when `first` and its head when `last`,
+    under the whole model's names. Its forward is that of the model's piece: the model class's
+    own `embed` / `head` run on this part (they read only the modules the class names in
+    `pipeline_input` / `pipeline_output`, which the part holds under the same names)."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[int], *, first: bool, last: bool,
+                 amp: Callable[[], ContextManager] = contextlib.nullcontext):
+        super().__init__()
+        self.arch, self.args, self.first, self.last, self.amp = \
+            type(model), model.args, first, last, amp
+        for name in model.pipeline_input if first else ():
+            self.add_module(name, getattr(model, name))
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in blocks})
+        for name in model.pipeline_output if last else ():
+            self.add_module(name, getattr(model, name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, T) token ids on the first stage, else (B, T, C) activations
+        with self.amp():
+            if self.first:
+                x = self.arch.embed(self, x)  # (B, T, C)
+            for block in self.layers.values():
+                x = block(x)  # (B, T, C)
+            return self.arch.head(self, x) if self.last else x  # (B, T, V) or (B, T, C)
+
+
+class _ScaledLoss:
+    """The last stage's loss per micro-batch: `loss_sum(logits, targets, smoothing)` x scale,
+    the unscaled sums kept for the log."""
+
+    def __init__(self, loss_sum: Callable[..., torch.Tensor]):
+        self.loss_sum = loss_sum
+        self.scale, self.smoothing, self.sums = 1.0, 0.0, []
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = self.loss_sum(logits, targets, self.smoothing)
+        self.sums.append(s.detach().double())
+        return s * self.scale
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs a step's micro-batches through them.
+    `model` holds this rank's part of the model (what the optimizer and snapshots see)."""
+
+    def __init__(self, parallelism: PipelineParallel, model: nn.Module, env: DistEnv, *,
+                 micro_batches: int, precision: str, label_smoothing: float,
+                 loss_sum: Callable[..., torch.Tensor], activation_checkpointing: bool = False,
+                 compile: bool = False):
+        from torch.distributed.pipelining import PipelineStage, schedules
+        dims, self.env = parallelism.dims, env
+        if activation_checkpointing:  # block by block, before the blocks are handed out
+            apply_activation_checkpointing(model)
+        if compile:
+            apply_compile(model)
+        mesh = dims.build_mesh(env.device.type)
+        self.pp_group = mesh["pp"].get_group()
+        ids, n = parallelism.stages_of(env.rank), len(parallelism.split)
+        self.has_first, self.has_last = 0 in ids, n - 1 in ids
+        self.stage_names = ", ".join(map(str, ids))
+
+        def amp() -> ContextManager:
+            return parallelism.autocast(precision, env.device)
+
+        parts = [ModelPart(model, parallelism.blocks_of(s), first=s == 0, last=s == n - 1, amp=amp)
+                 for s in ids]
+        self.model = ModelPart(model, [b for s in ids for b in parallelism.blocks_of(s)],
+                               first=self.has_first, last=self.has_last)
+        self.model.to(env.device)
+        # A stage's replicas average their gradients once the schedule is done (`train_step`):
+        # DDP's wrapper cannot run the stand-in forward the stages set themselves up with.
+        self.dp_group = mesh["dp_replicate"].get_group() if dims.dp > 1 else None
+        stages = [PipelineStage(p, s, n, env.device, group=self.pp_group)
+                  for p, s in zip(parts, ids)]
+        self.loss = _ScaledLoss(loss_sum)
+        self.label_smoothing, self.micro_batches = label_smoothing, micro_batches
+        kind = {"1f1b": schedules.Schedule1F1B, "gpipe": schedules.ScheduleGPipe,
+                "interleaved-1f1b": schedules.ScheduleInterleaved1F1B}[parallelism.schedule]
+        self.schedule = kind(stages if len(stages) > 1 else stages[0],
+                             n_microbatches=micro_batches, loss_fn=self.loss, scale_grads=False)
+
+    def train_step(self, micro: list[dict], scale: float) -> tuple[torch.Tensor, int]:
+        """Forward and backward of a step's micro-batches; (sum of token losses, tokens) on the
+        last stage, (0, 0) elsewhere."""
+        out = self._run(self.schedule.step, micro, scale, self.label_smoothing)
+        if self.dp_group is not None:
+            self._average_gradients()
+        return out
+
+    def _average_gradients(self) -> None:
+        """The mean of the stage's gradients over its data-parallel replicas (DDP's), in one
+        all-reduce of all of them flattened."""
+        import torch.distributed as dist
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])  # (numel of this rank's part,)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= dist.get_world_size(self.dp_group)
+        for g, mean in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(mean.view_as(g))
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Optional[dict]], rows: int, seq_length: int
+                 ) -> tuple[float, int]:
+        """Forward only, `micro_batches` at a time: this rank's validation batches (None: none
+        left), each padded to `rows` rows of ignored targets, so every call has the shapes the
+        stages were built with. (sum of token losses, tokens) on the last stage."""
+        pad = {"input_ids": torch.zeros(rows, seq_length, dtype=torch.long),
+               "targets": torch.full((rows, seq_length), IGNORE_INDEX, dtype=torch.long)}
+        full = [pad if mb is None else {k: torch.cat([mb[k], pad[k][len(mb[k]):]])
+                                        for k in pad} for mb in batches]
+        full += [pad] * (-len(full) % self.micro_batches)
+        total, count = 0.0, 0
+        for i in range(0, len(full), self.micro_batches):
+            s, c = self._run(self.schedule.eval, full[i:i + self.micro_batches], 1.0, 0.0)
+            total, count = total + float(s), count + c
+        return total, count
+
+    def _run(self, run: Callable, micro: list[dict], scale: float, smoothing: float
+             ) -> tuple[torch.Tensor, int]:
+        dev = self.env.device
+        ids = torch.cat([mb["input_ids"] for mb in micro]).to(dev)  # (M*B, T): split M ways
+        targets = torch.cat([mb["targets"] for mb in micro]).to(dev)  # (M*B, T)
+        self.loss.scale, self.loss.smoothing, self.loss.sums = scale, smoothing, []
+        run(*((ids,) if self.has_first else ()),
+            **({"target": targets} if self.has_last else {}), return_outputs=False)
+        if not self.has_last:
+            return torch.zeros((), dtype=torch.float64), 0
+        # the micro-batches' own losses: the first step also calls the loss function once on a
+        # stand-in output, while the stages set themselves up (shape inference)
+        sums = self.loss.sums[-len(micro):]
+        return torch.stack(sums).sum(), int((targets != IGNORE_INDEX).sum())
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient: this rank's stages' squared norm,
+        summed over the pipeline (a stage's data-parallel replicas hold the same gradients)."""
+        import torch.distributed as dist
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        local = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        squared = local.float().pow(2)
+        dist.all_reduce(squared, group=self.pp_group)
+        total = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total

@@ -1,0 +1,91 @@
+"""Pipeline parallelism with real gloo workers: P=2 on 2 processes (1f1b, gpipe, interleaved-1f1b)
+against one process, P=2 x DDP 2 on 4 processes, and snapshots moving between pipeline and
+data-parallel layouts. Every run is a cached reference run (BASE: 16 steps of 8 sequences, a
+snapshot every 4 steps, sample ids recorded) of the tiny Llama with 4 blocks, 2 sequences per
+micro-batch: the pipeline's micro-batches are the 4 accumulation micro-batches of a step."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import read_summary, run_cli
+from tests.distributed._snapshot_helpers import args_for, reference_run, resume_under
+from tests.distributed.test_tensor_parallel import assert_same_run
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+
+L4 = {"model.num_layers": 4, "trainer.batch_size": 2}
+ONE = {**L4, "trainer.devices": "cpu:1"}
+PP2 = {**L4, "trainer.pipeline_parallel": 2}
+DDP2 = {**L4, "trainer.strategy": "ddp"}
+
+
+def _ref(request, **extra):
+    f = request.getfixturevalue
+    return reference_run(f("tmp_path_factory"), f("corpus_dir"), f("cache_dir"), **extra)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pp2_on_two_processes_is_one_process(request, schedule):
+    one, pp = _ref(request, **ONE), _ref(request, **PP2, **{"trainer.pipeline_schedule": schedule})
+    summary = read_summary(pp)
+    assert summary["strategy"] == "pp" and summary["pipeline_parallel"] == 2
+    assert summary["parallel_dims"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert summary["global_batch_size"] == 8 and summary["grad_accum"] == 4
+    assert_same_run(pp, one)  # losses, grad norms, samples, weights: 1e-5
+    assert abs(summary["val_loss"] - read_summary(one)["val_loss"]) < 1e-6
+
+
+def test_interleaved_1f1b_with_two_stages_per_process_is_one_process(request):
+    l8 = {"model.num_layers": 8, "trainer.max_steps": 8, "checkpoint.every_steps": 0}
+    one = _ref(request, **{**ONE, **l8})
+    pp = _ref(request, **{**PP2, **l8, "trainer.pipeline_schedule": "interleaved-1f1b"})
+    assert "blocks per stage [2, 2, 2, 2]" in read_summary(pp)["strategy_reason"]
+    assert_same_run(pp, one)
+
+
+def test_pp2_x_ddp2_on_four_processes_holds_half_the_model(request):
+    one = _ref(request, **ONE)
+    pp_ddp = _ref(request, **PP2, **{"trainer.devices": "cpu:4"})
+    summary = read_summary(pp_ddp)
+    assert summary["strategy"] == "ddp+pp" and summary["grad_accum"] == 2
+    assert_same_run(pp_ddp, one)
+    full = read_summary(one)["memory"][0]["params_bytes"]
+    for entry in summary["memory"]:  # half the blocks; the embedding and the head are alike
+        assert abs(entry["params_bytes"] / full - 0.5) < 0.01, entry
+
+
+def test_the_simulation_holds_what_the_pipeline_run_held(request):
+    """`paratrain plan` of the P=2 x DDP 2 run's config at its world (1 node x 4), on the meta
+    device: rank 0's parameter, gradient and optimizer bytes are what the real run measured."""
+    from paratrain import TrainConfig
+    from paratrain.parallel.simulate import plan_at_scale
+    run = _ref(request, **PP2, **{"trainer.devices": "cpu:4"})
+    cfg = TrainConfig.from_yaml(run / "config.yaml", ["plan.device_memory_gb=1"])
+    [row] = [r for r in plan_at_scale(cfg)[0] if r.asked]
+    real = read_summary(run)["memory"][0]
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert getattr(row, key) == real[key], key
+
+
+@pytest.mark.parametrize("layout", [DDP2, ONE], ids=["ddp2", "one"])
+def test_pp2_snapshot_resumes_under_another_layout(request, tmp_path, layout):
+    """Steps 9-16 continued from the P=2 run's step-8 snapshot by DDP on 2 processes or by one
+    process are the P=2 run's own steps 9-16."""
+    source = _ref(request, **PP2)
+    assert_same_run(resume_under(request, tmp_path, source, layout), source, first_step=9)
+
+
+def test_ddp_snapshot_resumes_under_pp2(request, tmp_path):
+    source = _ref(request, **DDP2)
+    assert_same_run(resume_under(request, tmp_path, source, PP2), source, first_step=9)
+
+
+def test_a_pipeline_that_does_not_divide_the_world_exits_2(request, tmp_path):
+    args = args_for(request.getfixturevalue("corpus_dir"), request.getfixturevalue("cache_dir"),
+                    "bad", **PP2, **{"trainer.pipeline_parallel": 3})
+    r = run_cli(args, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2
+    assert "trainer.pipeline_parallel=3 does not divide the world of 2 processes" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "runs" / "bad" / "checkpoints").exists()

@@ -1,0 +1,138 @@
+"""Pipeline parallelism without real processes: how `trainer.pipeline_parallel` resolves into one
+ParallelDims and a split of the blocks, the one-line refusals, and that the stages of a real
+model, run one after the other, compute the model's own logits under the model's own names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratrain import TrainConfig
+from paratrain.config_checks import pipeline_split
+from paratrain.errors import ConfigError
+from paratrain.models import build_model, resolve_model_config
+from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.pipeline import ModelPart, check_schedule, resolve_pipeline_parallel
+from paratrain.runplan import pipeline_blocks
+
+CPU = torch.device("cpu")
+
+
+def resolve(pp=2, world=4, schedule="1f1b", split=None, layers=4, requested="auto"):
+    return resolve_pipeline_parallel(requested, pp, schedule=schedule, split=split,
+                                     num_layers=layers, world_size=world, local_world_size=world,
+                                     device=CPU)
+
+
+def test_the_pipeline_is_the_outermost_dimension():
+    dims = ParallelDims(dp_replicate=2, pp=2)  # ranks (0, 1): stage 0; (2, 3): stage 1
+    assert dims.world == 4 and dims.dp == 2 and dims.stage_world == 2
+    assert [dims.pp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [dims.data_rank(r) for r in range(4)] == [0, 1, 0, 1]  # stages read the same
+    assert [dims.counts(r) for r in range(4)] == [False, False, True, True]  # the loss's stage
+    assert dims.to_dict() == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 1}
+    assert dims.label == "pp=2 x dp_replicate=2"
+
+
+def test_pipeline_parallel_resolves_stages_and_data_parallelism():
+    p, why = resolve(pp=2, world=4)
+    assert p.name == "ddp+pp" and p.dims == ParallelDims(dp_replicate=2, pp=2)
+    assert p.split == (2, 2) and p.blocks_of(1) == [2, 3] and "pipeline of 2" in why
+    assert p.stages_of(0) == [0] and p.stages_of(3) == [1]
+    alone, _ = resolve(pp=2, world=2)
+    assert alone.name == "pp" and alone.dims.dp == 1
+    # interleaved: 2 stages per process, stage s on pipeline rank s mod P
+    inter, _ = resolve(pp=2, world=2, schedule="interleaved-1f1b", layers=8)
+    assert inter.split == (2, 2, 2, 2)
+    assert inter.stages_of(0) == [0, 2] and inter.stages_of(1) == [1, 3]
+    assert inter.blocks_of(2) == [4, 5]
+
+
+def test_blocks_are_split_evenly_or_as_given():
+    assert pipeline_split(5, 2, "1f1b") == (3, 2)
+    assert pipeline_split(4, 2, "gpipe", [3, 1]) == (3, 1)
+    assert pipeline_split(8, 2, "interleaved-1f1b") == (2, 2, 2, 2)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: pipeline_split(2, 4, "1f1b"), r"needs 4 stages .* more than the 2 blocks"),
+    (lambda: pipeline_split(4, 2, "1f1b", [4, 0]), r"leaves stage 1 empty"),
+    (lambda: pipeline_split(4, 2, "1f1b", [2, 1]), r"adds up to 3 blocks, but the model has 4"),
+    (lambda: pipeline_split(4, 2, "1f1b", [1, 1, 2]), r"has 3 entries; the pipeline has 2"),
+    (lambda: resolve(pp=2, world=3), r"pipeline_parallel=2 does not divide the world of 3 "),
+    (lambda: check_schedule(resolve(pp=2, world=2, schedule="interleaved-1f1b", layers=8)[0], 5),
+     r"runs the 5 micro-batches of a step in rounds of 2"),
+])
+def test_a_pipeline_that_cannot_be_built_is_one_line(call, message):
+    with pytest.raises(ConfigError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.pipeline_parallel=0"], r"pipeline_parallel=0 must be >= 1"),
+    (["trainer.pipeline_parallel=2", "trainer.pipeline_schedule=zigzag"],
+     r"pipeline_schedule='zigzag' is not one of: 1f1b, gpipe, interleaved-1f1b"),
+    (["trainer.pipeline_split=[1,1]"], r"set trainer.pipeline_parallel > 1 too"),
+    (["trainer.pipeline_parallel=2", "trainer.strategy=fsdp"], r"not fsdp"),
+    (["trainer.pipeline_parallel=2", "trainer.strategy=dp"], r"not dp"),
+    (["trainer.pipeline_parallel=2", "trainer.tensor_parallel=2"], r"not combined with"),
+    (["trainer.pipeline_parallel=2", "model.arch=gpt"], r"model.tie_embeddings=false"),
+    (["trainer.pipeline_parallel=2", "data.format=padded"], r"cannot split data.format=padded"),
+    (["trainer.pipeline_parallel=2", "data.drop_last=false"], r"set data.drop_last=true"),
+    (["trainer.pipeline_parallel=4", "model.num_layers=2"], r"more than the 2 blocks"),
+    (["trainer.pipeline_parallel=2", "model.num_layers=2", "trainer.pipeline_split=[2,0]"],
+     r"leaves stage 1 empty"),
+])
+def test_bad_pipeline_config_is_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_yaml(None, ["model.preset=tiny"] + overrides)
+
+
+def test_a_hugging_face_or_users_model_is_refused(hf_llama):
+    with pytest.raises(ConfigError, match=r"cannot split a Hugging Face model"):
+        TrainConfig.from_yaml(None, ["model.arch=hf", f"model.path={hf_llama}",
+                                     "trainer.pipeline_parallel=2"])
+
+    class UsersTask:  # a task of the user's own (its model is any module)
+        pass
+
+    with pytest.raises(ConfigError, match=r"UsersTask's model cannot be cut into stages"):
+        pipeline_blocks(UsersTask(), 2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+def test_stages_in_a_row_are_the_model_under_its_names(arch):
+    cfg = TrainConfig.from_yaml(None, [f"model.arch={arch}", "model.preset=tiny",
+                                       "model.num_layers=3", "model.tie_embeddings=false"])
+    torch.manual_seed(0)
+    model = build_model(resolve_model_config(cfg.model, vocab_size=96, seq_length=16)).eval()
+    parts = [ModelPart(model, [0, 1], first=True, last=False),
+             ModelPart(model, [2], first=False, last=True)]
+    idx = torch.randint(0, 96, (2, 16))  # (B, T)
+    x = idx
+    for part in parts:
+        x = part(x)
+    torch.testing.assert_close(x, model(idx), rtol=0, atol=0)  # the same ops, in order
+    names = [set(p.state_dict()) for p in parts]
+    assert not names[0] & names[1] and names[0] | names[1] == set(model.state_dict())
+    assert "layers.2.attention_norm.weight" in names[1] or "layers.2.ln_1.weight" in names[1]
+
+
+def _plan_rows(*overrides):
+    from paratrain.parallel.simulate import plan_at_scale
+    cfg = TrainConfig.from_yaml(None, ["model.preset=tiny", "model.num_layers=4",
+                                       "trainer.devices=cpu:4", "trainer.batch_size=2",
+                                       "trainer.global_batch_size=16", "plan.device_memory_gb=1",
+                                       "trainer.pipeline_parallel=2", *overrides])
+    rows = plan_at_scale(cfg)[0]
+    return {r.label: r for r in rows}
+
+
+def test_the_plan_counts_a_stage_and_the_micro_batches_in_flight():
+    """P=2 x DDP 2: rank 0 holds the embedding and half the blocks; GPipe keeps all 4
+    micro-batches of a step in flight, 1F1B at most P=2 of them."""
+    one_f_one_b, gpipe = _plan_rows()["ddp+pp2"], _plan_rows("trainer.pipeline_schedule=gpipe")
+    ddp = gpipe["ddp"]
+    assert one_f_one_b.asked and 0.45 < one_f_one_b.params_bytes / ddp.params_bytes < 0.55
+    assert gpipe["ddp+pp2"].activation_bytes == 2 * one_f_one_b.activation_bytes
+    assert one_f_one_b.sent["pp"]["send"] == 4 * 2 * 256 * 64 * 4  # M x (B, T, C) fp32
