@@ -475,6 +475,15 @@ def test_checkpoint_export_of_a_fine_tuning_snapshot_refuses_bad_input(
     from safetensors.torch import load_file
     a, b = (load_file(str(d / "model.safetensors")) for d in (out, tmp_path / "same"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a shard changed on disk (its size kept): refused before anything is loaded
+    shard = sorted(moved.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    line = cli_error(capsys, ["checkpoint", "export", str(moved), str(tmp_path / "bad"),
+                              "--model-path", str(pretrained)])
+    assert f"{shard.name} does not match its checksum" in line
+    assert not (tmp_path / "bad").exists()
     # a path that holds no fine-tuning snapshot takes neither option
     line = cli_error(capsys, ["checkpoint", "export", str(out), str(tmp_path / "x"), "--merge"])
     assert "--merge and --model-path apply to snapshots of fine-tuning runs" in line
