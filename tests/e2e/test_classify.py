@@ -147,16 +147,39 @@ def test_python_api_classifies_lists(tmp_path, base_model, monkeypatch):
 
 def test_lora_classifier_trains_the_new_head_and_saves_both(tmp_path, base_model, data):
     """LoRA on a classifier: adapters plus the new head (peft's modules_to_save); model/ is the
-    merged classifier, and its accuracy is the one the run reported."""
-    pytest.importorskip("peft")
+    merged classifier, and its accuracy is the one the run reported. Its step-2 snapshot
+    exports (`paratrain checkpoint export`) as a classifier too: merged, with the run's labels,
+    and as the adapter alone, which peft puts on the base with the same predictions."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from paratrain import cli
     train, val = data
     run_dir = tmp_path / "lora"
     r = run_cli(_args(base_model, train, val, run_dir, **{
         "trainer.devices": "cpu", "trainer.batch_size": 16, "model.lora.r": 4,
-        "trainer.max_steps": 4}), cwd=tmp_path)
+        "trainer.max_steps": 4, "checkpoint.every_steps": 2}), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
     s = read_summary(run_dir)
     rows = [json.loads(line) for line in val.read_text().splitlines()]
     assert accuracy_with_transformers(run_dir / "model", rows) == pytest.approx(
         s["val_accuracy"], abs=1e-9)
+    # the step-2 snapshot, exported
+    assert cli.main(["checkpoint", "export", str(run_dir), str(tmp_path / "merged"),
+                     "--merge"]) == 0
+    assert cli.main(["checkpoint", "export", str(run_dir), str(tmp_path / "adapter")]) == 0
+    labels = lambda d: json.loads((d / "config.json").read_text())["id2label"]  # noqa: E731
+    assert labels(tmp_path / "merged") == labels(run_dir / "model") == {"0": "no", "1": "yes"}
+    assert 0.0 <= accuracy_with_transformers(tmp_path / "merged", rows) <= 1.0
+    auto = transformers.AutoModelForSequenceClassification
+    ids = torch.tensor([[5, 9, 17, 33, 60]])  # (1, 5)
+    with torch.no_grad():
+        exported = auto.from_pretrained(tmp_path / "merged", local_files_only=True).eval()
+        merged = exported(ids)
+        base = auto.from_pretrained(base_model, local_files_only=True, num_labels=2,
+                                    pad_token_id=exported.config.pad_token_id).eval()
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids)
+        final = auto.from_pretrained(run_dir / "model", local_files_only=True).eval()(ids)
+    assert (merged.logits - adapted.logits).abs().max() < 1e-5
+    assert not torch.allclose(merged.logits, final.logits)  # step 2's weights, not step 4's

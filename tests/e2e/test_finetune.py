@@ -466,6 +466,9 @@ def test_checkpoint_export_of_a_fine_tuning_snapshot_refuses_bad_input(
     shutil.copytree(snapshot, moved)
     marker = json.loads((moved / MARKER).read_text())
     marker["config"]["model"]["path"] = str(tmp_path / "gone")
+    template = tmp_path / "template.jinja"  # and that trained with a chat template file
+    template.write_text(CHAT_TEMPLATE)
+    marker["config"]["data"]["chat_template"] = str(template)
     (moved / MARKER).write_text(json.dumps(marker))
     line = cli_error(capsys, ["checkpoint", "export", str(moved), str(out)])
     assert f"model.path={str(tmp_path / 'gone')!r}" in line and "is gone" in line
@@ -481,6 +484,20 @@ def test_checkpoint_export_of_a_fine_tuning_snapshot_refuses_bad_input(
     from safetensors.torch import load_file
     a, b = (load_file(str(d / "model.safetensors")) for d in (out, tmp_path / "same"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (out / "chat_template.jinja").read_text() == CHAT_TEMPLATE  # as model/ carries it
+    template.unlink()  # the template file gone since
+    line = cli_error(capsys, ["checkpoint", "export", str(moved), str(tmp_path / "bad"),
+                              "--model-path", str(pretrained)])
+    assert f"data.chat_template={str(template)!r}" in line and "is gone" in line
+    # a shard changed on disk (its size kept): refused before anything is loaded
+    shard = sorted(moved.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    line = cli_error(capsys, ["checkpoint", "export", str(moved), str(tmp_path / "bad"),
+                              "--model-path", str(pretrained)])
+    assert f"{shard.name} does not match its checksum" in line
+    assert not (tmp_path / "bad").exists()
     # a path that holds no fine-tuning snapshot takes neither option
     line = cli_error(capsys, ["checkpoint", "export", str(out), str(tmp_path / "x"), "--merge"])
     assert "--merge and --model-path apply to snapshots of fine-tuning runs" in line

@@ -28,7 +28,7 @@ from ..data.tokenizer import TOKENIZER_FILES
 from ..errors import CheckpointError, ConfigError
 from ..redact import redact_url
 from . import integrity
-from .store import load_model_weights, resolve, split
+from .store import load_model_weights, resolve, split, verify_snapshot
 
 
 def find(path: str) -> Optional[tuple[str, dict]]:
@@ -68,6 +68,7 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
     if merge and not lora:
         raise ConfigError(f"--merge applies to LoRA snapshots; {redact_url(url)} is a full "
                           "fine-tune, whose export is the whole model already (leave --merge out)")
+    verify_snapshot(url)  # every file, the tokenizer's too, before any is used
     store, _ = split(url)
     with tempfile.TemporaryDirectory() as tok:
         carried = [n for n in TOKENIZER_FILES if store.get_file(url, n, Path(tok) / n)]
@@ -85,7 +86,7 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
         weights = get_model_state_dict(model, options=options)
         from torch.distributed.checkpoint.api import CheckpointException
         try:
-            weights = load_model_weights(url, weights)
+            weights = load_model_weights(url, weights, verified=True)
         except (CheckpointException, RuntimeError, ValueError) as e:  # (DCP's: BaseException)
             raise CheckpointError(
                 f"snapshot {redact_url(url)} does not fit the model built from model.path="

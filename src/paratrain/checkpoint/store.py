@@ -291,22 +291,32 @@ def split(path: str) -> tuple[Store, Optional[int]]:
     return Store(path), None
 
 
-def load_model_weights(path: str, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def load_model_weights(path: str, template: dict[str, torch.Tensor], verified: bool = False
+                       ) -> dict[str, torch.Tensor]:
     """Fill a plain model's state dict from a committed snapshot, in this one process (DCP
-    reshards whatever world size wrote it)."""
+    reshards whatever world size wrote it). Every file is verified first, unless the caller has
+    (`verified`: `verify_snapshot` just now)."""
     import torch.distributed.checkpoint as dcp
     store, step = split(path)
     if step is None:
         raise CheckpointError(f"{redact_url(path)!r} is not a snapshot folder (step-NNNNNNN)")
-    good, why = store.verify(store.url(step))  # every file, before any is loaded
-    if not good:
-        raise CheckpointError(f"snapshot {redact_url(path)!r} cannot be used: {why}")
+    if not verified:
+        verify_snapshot(store.url(step))
     state = {"model": template}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
         dcp.load(state, checkpoint_id=store.url(step), planner=_safe_load_planner()(),
                  no_dist=True)
     return state["model"]
+
+
+def verify_snapshot(url: str) -> None:
+    """Every file of the snapshot at `url` against its recorded size and checksum, before any
+    is used; one CheckpointError line naming the first that differs."""
+    store, _ = split(url)
+    good, why = store.verify(url)
+    if not good:
+        raise CheckpointError(f"snapshot {redact_url(url)!r} cannot be used: {why}")
 
 
 def resolve(path: str) -> str:
