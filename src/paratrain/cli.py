@@ -352,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--rows", default=None,
                     help="comma-separated rows to run (default: all of "
                          "single,dp,ddp,fsdp,fsdp+ac,tp,fsdp+tp2,plain; tp: tensor parallel "
-                         "over every device)")
+                         "over every device; also pp,pp-gpipe,pp-interleaved: a pipeline of "
+                         "every device)")
     bp.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     bp.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     bp.add_argument("--repeats", type=int, default=2, help="interleaved repeats (default 2)")

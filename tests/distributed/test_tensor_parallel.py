@@ -39,7 +39,8 @@ def assert_same_run(got_dir, want_dir, first_step: int = 1, atol: float = 1e-5) 
     assert [m["step"] for m in got] == [m["step"] for m in want]
     for a, b in zip(got, want):
         assert abs(a["loss"] - b["loss"]) < atol, (a["step"], a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) < atol, a["step"]
+        # a norm's fp32 rounding is relative: above 1 (a deep model's), so is the tolerance
+        assert abs(a["grad_norm"] - b["grad_norm"]) < atol * max(1.0, b["grad_norm"]), a["step"]
     assert abs(read_summary(got_dir)["val_loss"] - read_summary(want_dir)["val_loss"]) < atol
     if first_step == 1:
         assert samples(got_dir) == samples(want_dir)

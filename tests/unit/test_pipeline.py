@@ -100,12 +100,16 @@ def test_a_hugging_face_or_users_model_is_refused(hf_llama):
         pipeline_blocks(UsersTask(), 2)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt"])
-def test_stages_in_a_row_are_the_model_under_its_names(arch):
+@pytest.mark.parametrize("arch, checkpointing", [("llama", False), ("gpt", False),
+                                                  ("llama", True)])
+def test_stages_in_a_row_are_the_model_under_its_names(arch, checkpointing):
+    from paratrain.parallel.strategies import apply_activation_checkpointing
     cfg = TrainConfig.from_yaml(None, [f"model.arch={arch}", "model.preset=tiny",
                                        "model.num_layers=3", "model.tie_embeddings=false"])
     torch.manual_seed(0)
     model = build_model(resolve_model_config(cfg.model, vocab_size=96, seq_length=16)).eval()
+    if checkpointing:  # blocks wrapped before they are handed out, as Pipeline does
+        apply_activation_checkpointing(model)
     parts = [ModelPart(model, [0, 1], first=True, last=False),
              ModelPart(model, [2], first=False, last=True)]
     idx = torch.randint(0, 96, (2, 16))  # (B, T)
@@ -136,3 +140,15 @@ def test_the_plan_counts_a_stage_and_the_micro_batches_in_flight():
     assert one_f_one_b.asked and 0.45 < one_f_one_b.params_bytes / ddp.params_bytes < 0.55
     assert gpipe["ddp+pp2"].activation_bytes == 2 * one_f_one_b.activation_bytes
     assert one_f_one_b.sent["pp"]["send"] == 4 * 2 * 256 * 64 * 4  # M x (B, T, C) fp32
+
+
+def test_bench_has_a_pipeline_row_per_schedule_with_its_ideal_bubble():
+    from paratrain.tools.bench import choose_variants
+    cfg = TrainConfig.from_yaml(None, ["model.preset=tiny", "trainer.batch_size=2",
+                                       "trainer.global_batch_size=8"])  # 2 blocks
+    runs, skipped = choose_variants(cfg, [CPU, CPU], ["pp", "pp-gpipe", "pp-interleaved"], False)
+    assert [v.label for v in runs] == ["pp2", "pp2-gpipe"]
+    assert runs[0].ideal_bubble == 1 / 5  # P=2, M=4 micro-batches: (P - 1) / (M + P - 1)
+    assert "trainer.pipeline_schedule=gpipe" in runs[1].overrides
+    [skip] = skipped  # interleaved: 4 stages of the 2 blocks
+    assert skip["label"] == "pp-interleaved" and "more than the 2 blocks" in skip["reason"]

@@ -98,8 +98,9 @@ def resolve_pipeline_parallel(requested: str, pp: int, *, schedule: str,
     dims = ParallelDims(dp_replicate=stage_world, pp=pp)
     blocks = pipeline_split(num_layers, pp, schedule, split)
     return (PipelineParallel(dims=dims, data=data, schedule=schedule, split=blocks),
-            f"{why if stage_world > 1 else 'no data parallelism left'}; pipeline of {pp} "
-            f"stages-processes ({schedule}, blocks per stage {list(blocks)})")
+            f"{why if stage_world > 1 else 'no data parallelism left'}; a pipeline of {pp} "
+            f"stages, {stage_world} process(es) each ({schedule}, blocks per stage "
+            f"{list(blocks)})")
 
 
 def check_schedule(parallelism: PipelineParallel, micro_batches: int) -> None:

@@ -46,7 +46,12 @@ ROW_REQUESTS = {"single": ("single", False, 1), "dp": ("dp", False, 1),
                 "ddp": ("ddp", False, 1), "fsdp": ("fsdp", False, 1),
                 "fsdp+ac": ("fsdp", True, 1), "tp": ("fsdp", False, 0),
                 "fsdp+tp2": ("fsdp", False, 2)}
-ROWS = (*ROW_REQUESTS, PLAIN)
+# Pipeline rows (only when asked for with --rows): P = every device, one row per schedule; each
+# carries `ideal_bubble`, the idle fraction (P - 1) / (V x M + P - 1) of a step of M micro-batches
+# through V stages per process (interleaved: 2)
+PIPELINE_ROWS = {"pp": "1f1b", "pp-gpipe": "gpipe", "pp-interleaved": "interleaved-1f1b"}
+DEFAULT_ROWS = (*ROW_REQUESTS, PLAIN)
+ROWS = (*ROW_REQUESTS, *PIPELINE_ROWS, PLAIN)
 
 # Dense bf16 tensor-core peak per GPU (FLOP/s), from the vendors' data sheets; the first name
 # found in torch.cuda.get_device_name() wins, so longer names come first.
@@ -63,6 +68,7 @@ class Variant:
     overrides: tuple[str, ...] = ()
     plain: bool = False
     cores: Optional[tuple[int, ...]] = None  # CPU affinity for a one-worker CPU run
+    ideal_bubble: Optional[float] = None  # a pipeline row's (P - 1) / (M + P - 1)
 
 
 @dataclass
@@ -103,6 +109,12 @@ def choose_variants(cfg: TrainConfig, devices: list[torch.device], rows: Sequenc
             runs.append(Variant("single", 1, (f"trainer.devices={one}", "trainer.strategy=single"),
                                 cores=cores))
             continue
+        if row in PIPELINE_ROWS:
+            try:
+                runs.append(_pipeline_variant(cfg, row, n))
+            except ConfigError as e:  # too few blocks, tied embeddings, ...: the train's words
+                skipped.append({"label": row, "reason": str(e)})
+            continue
         strategy, recompute, tp = ROW_REQUESTS[row]
         tp = tp or n
         world = processes_per_node(strategy, n)
@@ -127,6 +139,21 @@ def choose_variants(cfg: TrainConfig, devices: list[torch.device], rows: Sequenc
         # dp is one process driving all n GPUs; the others are n processes
         runs.append(Variant(wanted, n, (f"trainer.strategy={strategy}",) + extra))
     return runs, skipped
+
+
+def _pipeline_variant(cfg: TrainConfig, row: str, n: int) -> Variant:
+    """A pipeline of every device with the row's schedule (a ConfigError when the config's
+    model or batch cannot be split so)."""
+    from ..config_checks import PIPELINE_SCHEDULES
+    from ..runplan import batch_plan
+    schedule = PIPELINE_ROWS[row]
+    over = (f"trainer.pipeline_parallel={n}", f"trainer.pipeline_schedule={schedule}",
+            "trainer.strategy=auto")
+    tr = cfg.with_overrides(list(over)).trainer
+    micro, _ = batch_plan(tr.batch_size, 1, tr.global_batch_size)  # one process per stage
+    chunks = PIPELINE_SCHEDULES[schedule] * micro
+    return Variant(row.replace("pp", f"pp{n}", 1), n, over,
+                   ideal_bubble=(n - 1) / (chunks + n - 1))
 
 
 def _one_device(devices: list[torch.device]) -> str:
@@ -242,7 +269,7 @@ def summarize(v: Variant, runs: list[dict], warmup: int, flops_per_token: float,
             "data_wait_fraction": statistics.median(waits) if waits else None,
             "peak_bytes_per_device": peaks,
             "memory_imbalance": max(peaks) / max(1, min(peaks)),
-            "mfu": mfu, "final_loss": runs[-1]["final_loss"]}
+            "mfu": mfu, "final_loss": runs[-1]["final_loss"], "ideal_bubble": v.ideal_bubble}
 
 
 def _quantile(sorted_xs: list[float], q: float) -> float:
@@ -261,7 +288,8 @@ def gpu_peak_flops(device: torch.device) -> Optional[float]:
 
 
 def format_table(rows: list[dict], ref_label: Optional[str]) -> str:
-    head = (f"{'row':<10} {'world':>5} {'steps/s':>8} {'tokens/s':>9} {'step ms':>8} "
+    w = max([10] + [len(r["label"]) for r in rows])
+    head = (f"{'row':<{w}} {'world':>5} {'steps/s':>8} {'tokens/s':>9} {'step ms':>8} "
             f"{'spread':>7} {'cpu ms':>7} {'1st step s':>10} {'peak MB/dev':>11} "
             f"{'max/min':>7} {'MFU':>6} {'vs ' + (ref_label or 'plain'):>9}")
     lines = [head, "-" * len(head)]
@@ -270,7 +298,7 @@ def format_table(rows: list[dict], ref_label: Optional[str]) -> str:
         ratio = f"{r['vs_plain']:.3f}" if r.get("vs_plain") is not None else "-"
         cpu = f"{1e3 * r['step_cpu_median_s']:.0f}" if r.get("step_cpu_median_s") else "-"
         lines.append(
-            f"{r['label']:<10} {r['world_size']:>5} {r['steps_per_s']:>8.3f} "
+            f"{r['label']:<{w}} {r['world_size']:>5} {r['steps_per_s']:>8.3f} "
             f"{r['tokens_per_s']:>9.0f} {1e3 * r['step_time_median_s']:>8.1f} "
             f"{'±' + format(50 * r['step_time_spread'], '.1f') + '%':>7} {cpu:>7} "
             f"{r['first_step_s']:>10.2f} {max(r['peak_bytes_per_device']) / 2**20:>11.0f} "
@@ -319,7 +347,7 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
     if warmup < 1 or steps < 2 or repeats < 1:
         raise ConfigError(f"--warmup={warmup}, --steps={steps}, --repeats={repeats}: need at "
                           "least 1 warm-up step, 2 timed steps and 1 repeat")
-    rows = list(rows or ROWS)
+    rows = list(rows or DEFAULT_ROWS)
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         raise ConfigError(f"--rows {','.join(unknown)} not understood; choose from "
@@ -403,6 +431,10 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
     if scaling:
         text += f"\nweak scaling efficiency 1 -> {table[1]['world_size']} workers: " \
                 f"{report['scaling']['efficiency']:.3f}"
+    for r in table:
+        if r["ideal_bubble"] is not None:
+            text += (f"\n{r['label']}: ideal pipeline bubble (P - 1) / (V x M + P - 1) = "
+                     f"{100 * r['ideal_bubble']:.0f}% of a step")
     for s in skipped:
         text += f"\n{s['label']}: skipped: {s['reason']}"
     params = next((r["params"] for rs in results.values() for r in rs if r.get("params")), 0)
