@@ -39,6 +39,20 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("paratrain-cache")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def default_cache_of_the_session(tmp_path_factory):
+    """Runs that leave data.cache_dir at its default ($XDG_CACHE_HOME/paratrain) cache in the
+    session's own folder, inherited by every CLI process: never in the user's ~/.cache, and
+    every session starts cold, so what a test sees does not depend on earlier sessions."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 def tiny_overrides(corpus_dir: Path, cache_dir: Path, **extra) -> list[str]:
     """A model and data small enough for a 10-step run in a couple of seconds."""
     base = {"model.preset": "tiny", "data.source": str(corpus_dir), "data.vocab_size": 384,

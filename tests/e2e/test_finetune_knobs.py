@@ -30,8 +30,8 @@ def folder(tmp_path_factory) -> Path:
 
 def _train(*extra: str) -> list[str]:
     return ["train", "model.arch=hf", "model.path=./my-model", "data.format=pairs",
-            "data.source=train.jsonl", "trainer.devices=cpu", "trainer.max_steps=4",
-            "trainer.progress_bar=false", *extra]
+            "data.source=train.jsonl", "data.cache_dir=./cache", "trainer.devices=cpu",
+            "trainer.max_steps=4", "trainer.progress_bar=false", *extra]
 
 
 def _one_line(r) -> str:

@@ -100,6 +100,28 @@ def test_lora_targets_checked_before_the_data_and_options_passed_to_peft(tiny):
     assert trainable == 992 and "; 992 of " in line, (line, trainable)
 
 
+def test_lora_targets_are_checked_before_reused_records_are_said(tiny, tmp_path, monkeypatch):
+    """The encoded-records cache is keyed by the data and tokenizer, not the model's modules: a
+    typo in the targets is refused before any line about the data, cached or not."""
+    pytest.importorskip("peft")
+    from paratrain.dist import DistEnv
+    from paratrain.tasks.causal_lm import PairsTask
+    from tests.e2e._tiny_model import make_pairs, write_jsonl
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "train.jsonl", make_pairs(40))
+    cache = [f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0"]
+    lines: list[str] = []
+    PairsTask.prepare(_pairs(tiny, *cache, "model.lora.r=4"), DistEnv.single("cpu"), None,
+                      lines.append)
+    assert any("rows ->" in line for line in lines)  # encoded and cached
+    lines.clear()
+    with pytest.raises(ConfigError, match="'value' matches no module"):
+        PairsTask.prepare(_pairs(tiny, *cache, "model.lora.r=4",
+                                 "model.lora.target_modules=[q_proj,value]"),
+                          DistEnv.single("cpu"), None, lines.append)
+    assert not any("rows ->" in line or "reusing" in line for line in lines), lines
+
+
 def test_trainer_keyword_of_another_section_points_to_overrides(tiny):
     from paratrain import Trainer
     with pytest.raises(ConfigError, match=r'pass overrides=\["model.lora.r=8"\]'):

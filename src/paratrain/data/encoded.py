@@ -104,15 +104,19 @@ def fingerprint(cfg: TrainConfig, task: str, train_records: Any, val_records: An
 
 
 def load_or_encode(root: Path, key: str, tokenizer_dir: Path, names: dict[str, str],
-                   encode: Callable[[], Encoded], log: Callable[[str], None]) -> Encoded:
+                   encode: Callable[[], Encoded], log: Callable[[str], None],
+                   check_reused: Callable[[Encoded], None] = lambda encoded: None) -> Encoded:
     """The encoded records under `root`/encoded/`key`, or `encode()` them and save them there.
     `names`: the names the encoder's lines give the sources and the tokenizer ({"train": ...,
-    "val": ..., "tokenizer": ...}): reused lines are said with this run's. A cache that cannot be
-    written is said once, and the run goes on."""
+    "val": ..., "tokenizer": ...}): reused lines are said with this run's. `check_reused`: what
+    `encode` checks before it reads the data, for reused records (their key holds the data and
+    tokenizer, not the model): it refuses before a line about the data is said, as `encode`
+    would. A cache that cannot be written is said once, and the run goes on."""
     final = Path(root).expanduser() / "encoded" / key
     if (final / "meta.json").is_file():
         encoded = load(final, tokenizer_dir, names)
         encoded.reused = True
+        check_reused(encoded)
         log(f"data: reusing the encoded records in {final}")
         for line in encoded.notes:
             log(line)

@@ -79,9 +79,8 @@ class PretrainedTask(NoFrozenModels):
                               tokenizer_dir)
             encoded = load_or_encode(cfg.cache_dir, key, tokenizer_dir, names,
                                      lambda: cls.encode_records(cfg, tokenizer_dir, train_src,
-                                                                val_src, names), log)
-            if encoded.reused:  # the key holds the tokenizer and data, not model.path
-                cls.check_fits(cfg, encoded.tokenizer)
+                                                                val_src, names), log,
+                                     check_reused=lambda e: cls.check_fits(cfg, e.tokenizer))
         else:
             encoded = cls.encode_records(cfg, tokenizer_dir, train_src, val_src, names,
                                          split=True)
