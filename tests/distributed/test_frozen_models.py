@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import REPO, read_metrics, read_summary, run_cli
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # 4 processes with a teacher: ~15 s idle
 
 SCRIPT = """
 import json, sys

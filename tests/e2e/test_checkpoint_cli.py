@@ -70,7 +70,8 @@ def test_checkpoint_errors_are_one_line(tmp_path):
     assert "holds no committed snapshot" in r.stderr
 
 
-@pytest.mark.parametrize("at_epoch_end", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow  # two runs with periodic and epoch-end snapshots: ~15 s idle
+@pytest.mark.parametrize("at_epoch_end", [False, True])
 def test_epoch_end_snapshots_are_asked_for_and_every_commit_is_one_line(
         tmp_path, corpus_dir, cache_dir, at_epoch_end):
     """Short epochs (a few steps each), a snapshot every 10 steps, the progress bar on: epoch-end
