@@ -489,6 +489,7 @@ def test_checkpoint_export_of_a_fine_tuning_snapshot_refuses_bad_input(
     line = cli_error(capsys, ["checkpoint", "export", str(moved), str(tmp_path / "bad"),
                               "--model-path", str(pretrained)])
     assert f"data.chat_template={str(template)!r}" in line and "is gone" in line
+    template.write_text(CHAT_TEMPLATE)
     # a shard changed on disk (its size kept): refused before anything is loaded
     shard = sorted(moved.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())

@@ -64,22 +64,23 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
     base = model_path or (config.get("model") or {}).get("path")
     _check_base(url, base, given=model_path is not None)
     _check_out(out, base, overwrite)
-    lora = bool(((config.get("model") or {}).get("lora") or {}).get("r"))
-    if merge and not lora:
-        raise ConfigError(f"--merge applies to LoRA snapshots; {redact_url(url)} is a full "
-                          "fine-tune, whose export is the whole model already (leave --merge out)")
-    verify_snapshot(url)  # every file, the tokenizer's too, before any is used
     store, _ = split(url)
     with tempfile.TemporaryDirectory() as tok:
+        # the tokenizer the run trained with, as the snapshot carries it (model.path's may differ)
         carried = [n for n in TOKENIZER_FILES if store.get_file(url, n, Path(tok) / n)]
         data = dict(config.get("data") or {}, **({"tokenizer": tok} if carried else {}))
         cfg = TrainConfig.from_dict({**config, "model": {**config["model"], "path": str(base)},
                                      "data": data})
-        task = registry.for_config(cfg).load().without_data(cfg, marker["model"])
+        if merge and not cfg.model.lora.r:
+            raise ConfigError(f"--merge applies to LoRA snapshots; {redact_url(url)} is a full "
+                              "fine-tune, whose export is the whole model already (leave --merge "
+                              "out)")
         template = cfg.data.chat_template
         if template not in ("auto", "none") and not Path(template).expanduser().is_file():
             raise ConfigError(f"the run's chat template data.chat_template={template!r} is gone; "
                               "the export carries it as the run's model/ does: put it back")
+        verify_snapshot(url)  # every file, the tokenizer's too, before any is used
+        task = registry.for_config(cfg).load().without_data(cfg, marker["model"])
         torch.manual_seed(cfg.trainer.seed)  # as the run built it (the snapshot fills it all)
         model = prepare_model(task.build_model(), marker.get("precision") or "fp32")
         options = state_options(model)
