@@ -12,24 +12,21 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .errors import ConfigError
+from .errors import ConfigError, check_choice
+from .finetune_checks import check_data_format, check_hf_corpus_tokenizer
 from .formatting import one_of
-from .model_folder import (TOKENIZER_MARKERS, check_weights, has_tokenizer, has_weights,
-                           model_positions, resolve_max_length)
+from .model_folder import check_weights
 from .models.presets import ARCHS, resolve_model_config
 from .tasks import registry
-from .tasks.registry import model_config  # one home: the registry reads config.json too
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
-TOKENIZERS = ("auto", "bpe", "char")
 BACKENDS = ("auto", "gloo", "nccl")
 OPTIMIZERS = ("adamw", "adafactor", "sgd", "adamw-8bit")
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 INITS = ("gpt2", "torch")
 # trainer.pipeline_schedule -> the stages each process runs (interleaved: 2, "virtual" stages)
 PIPELINE_SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2}
-LORA_BIASES = ("none", "all", "lora_only")
 PRETRAINING_RUN_NAME = "stdlib-llama"  # run.name of a run that fine-tunes nothing
 
 
@@ -85,14 +82,14 @@ def default_run_name(cfg: Any) -> str:
 
 def validate(cfg: Any) -> None:
     """Checks that need no process, on a TrainConfig. Raises ConfigError naming the key."""
-    _choice("model.arch", cfg.model.arch, ARCHS + ("hf",))
-    _choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
-    _choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
+    check_choice("model.arch", cfg.model.arch, ARCHS + ("hf",))
+    check_choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
+    check_choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
     spec = registry.for_config(cfg)  # an unknown name lists the registered ones
-    _choice("data.padded_overflow", cfg.data.padded_overflow, ("truncate", "split"))
-    _check_data_format(cfg, spec)
-    _choice("distributed.backend", cfg.distributed.backend, BACKENDS)
-    _choice("distributed.rdzv", cfg.distributed.rdzv, ("static", "c10d"))
+    check_choice("data.padded_overflow", cfg.data.padded_overflow, ("truncate", "split"))
+    check_data_format(cfg, spec)
+    check_choice("distributed.backend", cfg.distributed.backend, BACKENDS)
+    check_choice("distributed.rdzv", cfg.distributed.rdzv, ("static", "c10d"))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name):
         raise ConfigError(f"run.name={cfg.run.name!r} may hold only letters, digits, '.', '_' "
                           "and '-'")
@@ -166,7 +163,7 @@ def validate(cfg: Any) -> None:
         if Path(p).expanduser().is_dir():
             check_weights(p)
         if not spec.pretrained:
-            _check_hf_corpus_tokenizer(cfg)
+            check_hf_corpus_tokenizer(cfg)
         _check_pipeline(cfg, spec, None)
         return
     # Model shape checks need the preset applied; models.presets does them (ConfigError too).
@@ -184,7 +181,7 @@ def _check_pipeline(cfg: Any, spec: registry.TaskSpec, args: Any) -> None:
     pp = tr.pipeline_parallel
     if pp < 1:
         raise ConfigError(f"trainer.pipeline_parallel={pp} must be >= 1 (1: off)")
-    _choice("trainer.pipeline_schedule", tr.pipeline_schedule, tuple(PIPELINE_SCHEDULES))
+    check_choice("trainer.pipeline_schedule", tr.pipeline_schedule, tuple(PIPELINE_SCHEDULES))
     if pp == 1:
         if tr.pipeline_split is not None:
             raise ConfigError("trainer.pipeline_split sizes pipeline stages; set "
@@ -262,8 +259,8 @@ def _check_tensor_parallel(cfg: Any) -> None:
 
 def _check_optim(o: Any) -> None:
     """optim.*: the optimizer, the schedule and their numbers (the fix in each line)."""
-    _choice("optim.name", o.name, OPTIMIZERS)
-    _choice("optim.schedule", o.schedule, SCHEDULES)
+    check_choice("optim.name", o.name, OPTIMIZERS)
+    check_choice("optim.schedule", o.schedule, SCHEDULES)
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be positive")
     if o.min_lr is not None and not 0 <= o.min_lr <= o.lr:
@@ -307,111 +304,11 @@ def _check_trainer_knobs(cfg: Any, spec: registry.TaskSpec) -> None:
             raise ConfigError("trainer.neftune_noise_alpha adds noise to a pretrained model's "
                               "input embeddings while fine-tuning it: use it with data.format="
                               + one_of(registry.names(pretrained=True)))
-    _choice("model.init", cfg.model.init, INITS)
+    check_choice("model.init", cfg.model.init, INITS)
     if cfg.model.init != "gpt2" and cfg.model.arch == "hf":
         raise ConfigError("model.init sets how our llama / gpt models start; a Hugging Face "
                           "model (model.arch=hf) loads its weights, or its own init without "
                           "them: leave model.init unset")
-
-
-def _check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
-    """Fine-tuning formats need a pretrained model and its tokenizer; corpora a tokenizer kind;
-    then the task's own checks."""
-    d = cfg.data
-    if d.pack:
-        raise ConfigError(
-            "data.pack=true is refused: packing several examples into one row lets attention "
-            "cross from one example into the next unless the model takes a block-diagonal mask "
-            "or per-example positions, which paratrain cannot guarantee for a Hugging Face "
-            "model; leave data.pack=false (examples are padded to the longest of each "
-            "micro-batch, which wastes little) or use data.format=packed for plain text"
-            if spec.pretrained else
-            f"data.pack applies to data.format=pairs or chat; data.format={d.format} "
-            + ("already packs documents into windows" if spec.packed else
-               "keeps one document per row"))
-    if spec.pretrained:
-        if cfg.model.arch != "hf":
-            raise ConfigError(f"data.format={d.format} fine-tunes a pretrained Hugging Face "
-                              f"model: set model.arch=hf model.path=DIR (got model.arch="
-                              f"{cfg.model.arch}); export one of ours with `paratrain "
-                              "checkpoint export RUN_DIR OUT --format hf`")
-        for check in spec.checks:
-            check(cfg)
-        _check_lora(cfg.model.lora)
-        _check_max_length(cfg)
-        if d.tokenizer != "auto" and not Path(d.tokenizer).expanduser().is_dir():
-            raise ConfigError(f"data.tokenizer={d.tokenizer!r}" + (
-                " trains a new tokenizer" if d.tokenizer in TOKENIZERS else
-                " is not a directory") + f"; data.format={d.format} encodes with the pretrained "
-                "model's own tokenizer: leave data.tokenizer unset (auto: model.path's) or pass "
-                "a tokenizer folder saved with save_pretrained")
-        return
-    if cfg.model.lora.r:
-        raise ConfigError("model.lora applies to a pretrained Hugging Face model being "
-                          "fine-tuned: use model.arch=hf with data.format="
-                          + one_of(registry.names(pretrained=True)))
-    if d.tokenizer not in TOKENIZERS and not Path(d.tokenizer).expanduser().is_dir():
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not one of: "
-                          f"{', '.join(TOKENIZERS)}, or a directory (a pretrained tokenizer "
-                          "saved with save_pretrained)")
-
-
-def lora_targets(lora: Any) -> Any:
-    """model.lora.target_modules as peft takes it: a list of names (a bare name is a list of
-    one), or peft's own "all-linear"."""
-    t = lora.target_modules
-    if isinstance(t, str):
-        return t if t == "all-linear" else [t]
-    return list(t) if isinstance(t, (list, tuple)) else t
-
-
-def _check_lora(lora: Any) -> None:
-    targets = lora_targets(lora)
-    if lora.r < 0:
-        raise ConfigError(f"model.lora.r={lora.r} must be >= 0 (0: off, full fine-tuning)")
-    if not targets or not (targets == "all-linear" or all(
-            isinstance(t, str) and t for t in targets)):
-        raise ConfigError(f"model.lora.target_modules={lora.target_modules!r} must be module "
-                          "names, e.g. [q_proj,v_proj] (a single name works too), or all-linear")
-    _choice("model.lora.bias", lora.bias, LORA_BIASES)
-    if lora.layers_to_transform is not None and not lora.layers_to_transform:
-        raise ConfigError("model.lora.layers_to_transform=[] gives adapters to no layer; list "
-                          "layer indices, or leave it null for every layer")
-
-
-def _check_max_length(cfg: Any) -> None:
-    """data.max_length fits the model's positions (one line naming both numbers)."""
-    d = cfg.data
-    limit = model_positions(cfg.model.path)
-    length = resolve_max_length(d, cfg.model)
-    if length < 2:
-        raise ConfigError(f"data.max_length={length} must be at least 2")
-    if limit is not None and length > limit:
-        raise ConfigError(f"data.max_length={length} is longer than model.path's "
-                          f"max_position_embeddings={limit} (its config.json); the model has no "
-                          f"positions beyond that: pass data.max_length={limit} or less, or "
-                          "leave it unset (the model's limit)")
-
-
-def _check_hf_corpus_tokenizer(cfg: Any) -> None:
-    """A pretrained model on a corpus reads the ids of its own tokenizer (auto), or of a folder
-    given; a tokenizer trained here (bpe) must at least fit in its embeddings."""
-    d, path = cfg.data, cfg.model.path
-    if d.tokenizer == "auto" and not has_tokenizer(path):
-        raise ConfigError(
-            f"model.path={path} has no tokenizer ({' / '.join(TOKENIZER_MARKERS[:2])}) and "
-            "data.tokenizer=auto uses the model's own; pass data.tokenizer=DIR, the folder of "
-            "the tokenizer it was trained with" + (
-                "" if has_weights(path) else " (or data.tokenizer=bpe to train one on the "
-                "corpus: the folder holds no weights, so nothing pretrained is lost)"))
-    if d.tokenizer == "bpe":
-        model_vocab = model_config(path).get("vocab_size")  # broken: models.hf says why
-        if isinstance(model_vocab, int) and d.vocab_size > model_vocab:
-            raise ConfigError(
-                f"data.tokenizer=bpe trains a vocabulary of data.vocab_size={d.vocab_size}, more "
-                f"than model.path's embeddings hold (vocab_size={model_vocab} in its "
-                "config.json); lower data.vocab_size, or leave data.tokenizer unset to use the "
-                "model's own tokenizer")
 
 
 def check_tp_heads(tp: int, heads: Optional[int], kv_heads: Optional[int],
@@ -428,8 +325,3 @@ def check_tp_heads(tp: int, heads: Optional[int], kv_heads: Optional[int],
             raise ConfigError(f"trainer.tensor_parallel={tp} does not divide {name}={count} "
                               f"(each rank computes whole heads); use one of "
                               f"{', '.join(map(str, fits))}")
-
-
-def _choice(key: str, value: str, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")

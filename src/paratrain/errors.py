@@ -12,6 +12,12 @@ class ConfigError(ParatrainError, ValueError):
     """A configuration key has a value that cannot work."""
 
 
+def check_choice(key: str, value: object, allowed: "tuple | list") -> None:
+    """A choice key holds one of its values, else one ConfigError line that lists them."""
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(map(str, allowed))}")
+
+
 class DataError(ParatrainError):
     """A data source is missing, empty, or too small for the requested batch."""
 

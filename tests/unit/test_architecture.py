@@ -107,7 +107,8 @@ LAYERS = [
     ("paratrain.records",),
     ("paratrain.models",),
     ("paratrain.data",),
-    ("paratrain.config", "paratrain.config_checks", "paratrain.models.presets",
+    ("paratrain.config", "paratrain.config_checks", "paratrain.finetune_checks",
+     "paratrain.models.presets",
      "paratrain.tasks.registry", "paratrain.dist", "paratrain.errors", "paratrain.fileio",
      "paratrain.formatting", "paratrain.redact", "paratrain.model_folder", "paratrain"),
 ]

@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ..config import TrainConfig
-from ..config_checks import model_config
 from ..errors import ConfigError
 from .base import TokenLoss
 from .hf import Encoder, PretrainedTask
+from .registry import model_config
 
 
 @dataclass

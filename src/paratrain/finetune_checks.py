@@ -1,0 +1,126 @@
+"""What a run that trains a pretrained model is checked for before any process starts: the data
+format against the model (fine-tuning formats need model.arch=hf and its tokenizer), the task's
+own checks from the registry, LoRA's options, data.max_length against the model's positions, and
+the tokenizer a pretrained model reads a corpus with. One ConfigError line each, as in
+config_checks.py, whose `validate` calls these.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, check_choice
+from .formatting import one_of
+from .model_folder import (
+    TOKENIZER_MARKERS,
+    has_tokenizer,
+    has_weights,
+    model_positions,
+    resolve_max_length,
+)
+from .tasks import registry
+from .tasks.registry import model_config  # one home: the registry reads config.json too
+
+TOKENIZERS = ("auto", "bpe", "char")
+LORA_BIASES = ("none", "all", "lora_only")
+
+
+def check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
+    """Fine-tuning formats need a pretrained model and its tokenizer; corpora a tokenizer kind;
+    then the task's own checks."""
+    d = cfg.data
+    if d.pack:
+        raise ConfigError(
+            "data.pack=true is refused: packing several examples into one row lets attention "
+            "cross from one example into the next unless the model takes a block-diagonal mask "
+            "or per-example positions, which paratrain cannot guarantee for a Hugging Face "
+            "model; leave data.pack=false (examples are padded to the longest of each "
+            "micro-batch, which wastes little) or use data.format=packed for plain text"
+            if spec.pretrained else
+            f"data.pack applies to data.format=pairs or chat; data.format={d.format} "
+            + ("already packs documents into windows" if spec.packed else
+               "keeps one document per row"))
+    if spec.pretrained:
+        if cfg.model.arch != "hf":
+            raise ConfigError(f"data.format={d.format} fine-tunes a pretrained Hugging Face "
+                              f"model: set model.arch=hf model.path=DIR (got model.arch="
+                              f"{cfg.model.arch}); export one of ours with `paratrain "
+                              "checkpoint export RUN_DIR OUT --format hf`")
+        for check in spec.checks:
+            check(cfg)
+        _check_lora(cfg.model.lora)
+        _check_max_length(cfg)
+        if d.tokenizer != "auto" and not Path(d.tokenizer).expanduser().is_dir():
+            raise ConfigError(f"data.tokenizer={d.tokenizer!r}" + (
+                " trains a new tokenizer" if d.tokenizer in TOKENIZERS else
+                " is not a directory") + f"; data.format={d.format} encodes with the pretrained "
+                "model's own tokenizer: leave data.tokenizer unset (auto: model.path's) or pass "
+                "a tokenizer folder saved with save_pretrained")
+        return
+    if cfg.model.lora.r:
+        raise ConfigError("model.lora applies to a pretrained Hugging Face model being "
+                          "fine-tuned: use model.arch=hf with data.format="
+                          + one_of(registry.names(pretrained=True)))
+    if d.tokenizer not in TOKENIZERS and not Path(d.tokenizer).expanduser().is_dir():
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not one of: "
+                          f"{', '.join(TOKENIZERS)}, or a directory (a pretrained tokenizer "
+                          "saved with save_pretrained)")
+
+
+def lora_targets(lora: Any) -> Any:
+    """model.lora.target_modules as peft takes it: a list of names (a bare name is a list of
+    one), or peft's own "all-linear"."""
+    t = lora.target_modules
+    if isinstance(t, str):
+        return t if t == "all-linear" else [t]
+    return list(t) if isinstance(t, (list, tuple)) else t
+
+
+def _check_lora(lora: Any) -> None:
+    targets = lora_targets(lora)
+    if lora.r < 0:
+        raise ConfigError(f"model.lora.r={lora.r} must be >= 0 (0: off, full fine-tuning)")
+    if not targets or not (targets == "all-linear" or all(
+            isinstance(t, str) and t for t in targets)):
+        raise ConfigError(f"model.lora.target_modules={lora.target_modules!r} must be module "
+                          "names, e.g. [q_proj,v_proj] (a single name works too), or all-linear")
+    check_choice("model.lora.bias", lora.bias, LORA_BIASES)
+    if lora.layers_to_transform is not None and not lora.layers_to_transform:
+        raise ConfigError("model.lora.layers_to_transform=[] gives adapters to no layer; list "
+                          "layer indices, or leave it null for every layer")
+
+
+def _check_max_length(cfg: Any) -> None:
+    """data.max_length fits the model's positions (one line naming both numbers)."""
+    d = cfg.data
+    limit = model_positions(cfg.model.path)
+    length = resolve_max_length(d, cfg.model)
+    if length < 2:
+        raise ConfigError(f"data.max_length={length} must be at least 2")
+    if limit is not None and length > limit:
+        raise ConfigError(f"data.max_length={length} is longer than model.path's "
+                          f"max_position_embeddings={limit} (its config.json); the model has no "
+                          f"positions beyond that: pass data.max_length={limit} or less, or "
+                          "leave it unset (the model's limit)")
+
+
+def check_hf_corpus_tokenizer(cfg: Any) -> None:
+    """A pretrained model on a corpus reads the ids of its own tokenizer (auto), or of a folder
+    given; a tokenizer trained here (bpe) must at least fit in its embeddings."""
+    d, path = cfg.data, cfg.model.path
+    if d.tokenizer == "auto" and not has_tokenizer(path):
+        raise ConfigError(
+            f"model.path={path} has no tokenizer ({' / '.join(TOKENIZER_MARKERS[:2])}) and "
+            "data.tokenizer=auto uses the model's own; pass data.tokenizer=DIR, the folder of "
+            "the tokenizer it was trained with" + (
+                "" if has_weights(path) else " (or data.tokenizer=bpe to train one on the "
+                "corpus: the folder holds no weights, so nothing pretrained is lost)"))
+    if d.tokenizer == "bpe":
+        model_vocab = model_config(path).get("vocab_size")  # broken: models.hf says why
+        if isinstance(model_vocab, int) and d.vocab_size > model_vocab:
+            raise ConfigError(
+                f"data.tokenizer=bpe trains a vocabulary of data.vocab_size={d.vocab_size}, more "
+                f"than model.path's embeddings hold (vocab_size={model_vocab} in its "
+                "config.json); lower data.vocab_size, or leave data.tokenizer unset to use the "
+                "model's own tokenizer")
