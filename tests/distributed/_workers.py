@@ -71,7 +71,7 @@ def resave_snapshot(rank: int, world: int, port: int, overrides: list[str]) -> N
         task = prepare_task(cfg, env, quiet=True)  # the token cache is there already
         plan = make_plan(cfg, task, devices=[env.device] * world, world_size=world,
                          local_world_size=world)
-        model, optimizer, scheduler, scaler, _, _ = _build(plan, env, task)
+        model, optimizer, scheduler, scaler, *_ = _build(plan, env, task)
         snapshots = Snapshotter(plan, env, model, optimizer, scheduler, scaler,
                                 model_info=task.model_info, tokenizer_path=task.tokenizer_path)
         resumed = snapshots.resume()

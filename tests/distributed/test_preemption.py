@@ -121,13 +121,17 @@ def test_sigterm_to_the_launcher_commits_a_snapshot_and_resumes(tmp_path, tmp_pa
     assert "paratrain: stopped by SIGTERM after step" in r.stderr
 
 
+# pp: a pipeline of 2 stages (the signal reaches the last stage's process only)
+@pytest.mark.parametrize("layout", [{}, {"model.num_layers": 4, "trainer.batch_size": 2,
+                                         "trainer.pipeline_parallel": 2}], ids=["ddp", "pp"])
 def test_sigusr1_to_one_worker_stops_every_rank(tmp_path, tmp_path_factory, corpus_dir,
-                                                cache_dir):
-    ref = _ref(tmp_path_factory, corpus_dir, cache_dir)
+                                                cache_dir, layout):
+    ref = _ref(tmp_path_factory, corpus_dir, cache_dir, **layout)
 
     def usr1_to_worker_1(proc):
         os.kill(worker_pids(proc.pid)[-1], signal.SIGUSR1)
-    r = _stop_and_resume(tmp_path, ref, args_for(corpus_dir, cache_dir, "usr1", **LONG),
+    r = _stop_and_resume(tmp_path, ref, args_for(corpus_dir, cache_dir, "usr1",
+                                                 **{**LONG, **layout}),
                          tmp_path / "runs" / "usr1", usr1_to_worker_1, 128 + signal.SIGUSR1,
                          random.Random(4).randint(9, 25))
     assert "paratrain: stopped by SIGUSR1 after step" in r.stderr

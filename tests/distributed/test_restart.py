@@ -23,10 +23,15 @@ from tests.distributed._snapshot_helpers import (
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# ddp: BASE's auto; pp: a pipeline of 2 stages, killing the last stage's process
+LAYOUTS = {"ddp": {}, "fsdp": {"trainer.strategy": "fsdp"},
+           "pp": {"model.num_layers": 4, "trainer.batch_size": 2, "trainer.pipeline_parallel": 2}}
+
+
+@pytest.mark.parametrize("strategy", list(LAYOUTS))
 def test_sigkill_one_worker_restarts_and_ends_bit_identical(tmp_path, tmp_path_factory,
                                                             corpus_dir, cache_dir, strategy):
-    extra = {} if strategy == "ddp" else {"trainer.strategy": strategy}  # ddp: BASE's auto
+    extra = LAYOUTS[strategy]
     ref = reference_run(tmp_path_factory, corpus_dir, cache_dir, **extra)
     assert read_summary(ref)["strategy"] == strategy
     args = args_for(corpus_dir, cache_dir, "restarted", **extra,

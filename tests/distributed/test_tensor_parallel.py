@@ -67,7 +67,7 @@ def test_fsdp_x_tp_on_four_processes_is_ddp_with_a_quarter_of_the_state(request)
     fsdp_tp, ddp = _ref(request, **FSDP_TP), _ref(request, **DDP4)
     summary = read_summary(fsdp_tp)
     assert summary["strategy"] == "fsdp+tp"
-    assert summary["parallel_dims"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert summary["parallel_dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
     assert_same_run(fsdp_tp, ddp)
     # parameters, gradients and AdamW state per rank from the real shards: a quarter of DDP's
     # (sharded 2 ways by FSDP, 2 ways by TP; the norms' gains only by FSDP)
@@ -162,5 +162,5 @@ def test_two_nodes_with_tp_inside_and_hsdp_across_are_ddp_on_four(request, tmp_p
     run = tmp_path / "node0" / "runs" / "nodes"
     summary = read_summary(run)
     assert summary["strategy"] == "hsdp+tp" and summary["nnodes"] == 2
-    assert summary["parallel_dims"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
+    assert summary["parallel_dims"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 2}
     assert_same_run(run, ddp)

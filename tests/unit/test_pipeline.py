@@ -152,3 +152,25 @@ def test_bench_has_a_pipeline_row_per_schedule_with_its_ideal_bubble():
     assert "trainer.pipeline_schedule=gpipe" in runs[1].overrides
     [skip] = skipped  # interleaved: 4 stages of the 2 blocks
     assert skip["label"] == "pp-interleaved" and "more than the 2 blocks" in skip["reason"]
+
+
+def test_a_stalled_rank_is_named_with_its_pipeline_stage(tmp_path):
+    """Two watchdogs over one in-memory store: rank 1 (the last stage) never leaves data
+    loading while rank 0 waits in the schedule of the same step."""
+    import torch.distributed as dist
+
+    from paratrain.dist import DistEnv
+    from paratrain.launch.watchdog import Watchdog
+    p, _ = resolve(pp=2, world=2, schedule="interleaved-1f1b", layers=4)
+    store = dist.HashStore()
+    dogs = [Watchdog(DistEnv(rank=r, world_size=2, local_world_size=2, timeout_s=20.0),
+                     tmp_path, 20.0, store) for r in (0, 1)]
+    for dog, phase in zip(dogs, ("forward", "data")):
+        dog.watch(dog.progress, p.roles(2))
+        dog.progress.at(5, phase)
+    for beat in (1, 2):
+        for dog in dogs:
+            dog._beat(beat)
+        dogs[0]._observe()
+    verdict = dogs[0]._diagnose(dead_after=10, collective=True)
+    assert "rank 1 (pipeline stage 1, 3) stalled at step 5" in verdict["message"]

@@ -378,10 +378,17 @@ class Snapshotter:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
         state = self._state_dicts()
+        # The parameter names of each optimizer group as this rank holds them. A snapshot keeps
+        # one rank's lists, and a pipeline's ranks hold different parts of the model: the
+        # groups' hyper-parameters are what is loaded (groups are built in the same order on
+        # every layout, runtime/optim.py), the names stay this rank's own.
+        own_names = [group["params"] for group in state["optim"].get("param_groups", [])]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=url, planner=store.SafeLoadPlanner(),
                      process_group=self._pg, no_dist=not self.env.distributed)
+        for group, names in zip(state["optim"].get("param_groups", []), own_names):
+            group["params"] = names
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=state_options(self.model))
         self.scheduler.load_state_dict(marker["scheduler"])

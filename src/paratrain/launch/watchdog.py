@@ -75,6 +75,7 @@ class Watchdog:
         self._seen: dict[int, dict] = {}  # rank -> {raw, alive_at, moved_at, pos, pid, host, node}
         self._stop = threading.Event()
         self._verdict: Optional[dict] = None
+        self.roles: dict[int, str] = {}  # said beside a rank number (a pipeline's stage)
         self._dumped = False
         self._thread = threading.Thread(target=self._run, name="paratrain-watchdog", daemon=True)
 
@@ -93,9 +94,11 @@ class Watchdog:
         wd._thread.start()
         return wd
 
-    def watch(self, progress: Progress) -> None:
-        """Follow the training loop's own Progress from now on."""
+    def watch(self, progress: Progress, roles: Optional[dict[int, str]] = None) -> None:
+        """Follow the training loop's own Progress from now on; `roles`: what each rank runs
+        where its number alone does not say (parallelism.roles: a pipeline's stages)."""
         self.progress = progress
+        self.roles = dict(roles or {})
 
     def stop(self) -> None:
         self._stop.set()
@@ -186,7 +189,8 @@ class Watchdog:
         waited = f"waited {self.timeout_s:.0f} s (distributed.timeout_s={self.timeout_s:g})"
         stacks = f"stacks of the live ranks: {self.run_dir / 'stacks'}"
         if stalled:
-            who = f"rank{'s' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))}"
+            who = f"rank{'s' if len(stalled) > 1 else ''} " + ", ".join(
+                f"{r} ({self.roles[r]})" if r in self.roles else str(r) for r in stalled)
             others = [r for r in alive if r not in stalled]
             # The step the job is stuck at: where the ranks that wait are (a frozen rank's last
             # heartbeat may be older than its last step).

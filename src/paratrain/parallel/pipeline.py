@@ -63,6 +63,10 @@ class PipelineParallel(Parallelism):
         first = self.dims.pp_rank(rank)
         return list(range(first, len(self.split), self.dims.pp))
 
+    def roles(self, world: int) -> dict[int, str]:
+        return {r: "pipeline stage " + ", ".join(map(str, self.stages_of(r)))
+                for r in range(world)}
+
     def blocks_of(self, stage: int) -> list[int]:
         start = sum(self.split[:stage])
         return list(range(start, start + self.split[stage]))
@@ -174,7 +178,6 @@ class Pipeline:
         self.pp_group = mesh["pp"].get_group()
         ids, n = parallelism.stages_of(env.rank), len(parallelism.split)
         self.has_first, self.has_last = 0 in ids, n - 1 in ids
-        self.stage_names = ", ".join(map(str, ids))
 
         def amp() -> ContextManager:
             return parallelism.autocast(precision, env.device)

@@ -99,6 +99,11 @@ class Parallelism:
         """How `world` processes are factored under this parallelism (parallel/dims.py)."""
         return ParallelDims()
 
+    def roles(self, world: int) -> dict[int, str]:
+        """What the stalled-rank watchdog says beside a rank's number (none: every rank runs
+        the same model)."""
+        return {}
+
     @property
     def label(self) -> str:
         return self.name

@@ -23,10 +23,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from ..checkpoint.snapshotter import Resumed, Snapshotter
-from ..config import TrainConfig
 from ..data.sampler import EvalSampler, GlobalSampler, SampleRecorder, StepBatches
 from ..dist import DistEnv
 from ..launch import watchdog
@@ -39,6 +37,7 @@ from ..records.metrics import MetricsLog, Throughput
 from ..runplan import RunPlan
 from ..tasks.base import NO_FROZEN, Frozen, Task
 from .early_stop import BestTracker
+from .loader import step_loader
 
 
 class TrainLoop:
@@ -84,8 +83,9 @@ class TrainLoop:
         batches = StepBatches(self.sampler, self.micro_batch, self.accum)
         # checkpoint.record_samples: a pass-through that notes which samples each step took
         self.recorder = SampleRecorder(batches) if cfg.checkpoint.record_samples else None
-        self.loader = _loader(task.train_ds, batches if self.recorder is None else self.recorder,
-                              task.collate, cfg, env)
+        self.loader = step_loader(task.train_ds,
+                                  batches if self.recorder is None else self.recorder,
+                                  task.collate, cfg, env)
         self._stand_in: Any = None  # a batch run for an empty micro-batch (a short last step)
         self.snapshots = snapshots
         self.pending_loss = (0.0, 0.0)  # this rank's loss sum and units since the last log line
@@ -392,16 +392,6 @@ class TrainLoop:
         return env.weighted_mean(total, count)
 
 
-class _CollateOrNone:
-    """The task's collate, and None for an empty micro-batch (a class: workers pickle it)."""
-
-    def __init__(self, collate: Callable[[list], Any]):
-        self.collate = collate
-
-    def __call__(self, items: list) -> Any:
-        return self.collate(items) if items else None
-
-
 def _add_counts(total: dict, *more: dict) -> dict:
     """Counts (numbers, or 0-dim tensors kept on the device) summed key by key (a new dict)."""
     out = dict(total)
@@ -415,13 +405,3 @@ def _sum_counts(env: DistEnv, counts: dict) -> dict:
     """Counts summed over all ranks (every rank holds the same keys)."""
     keys = sorted(counts)
     return dict(zip(keys, env.all_reduce_sum([counts[k] for k in keys]).tolist()))
-
-
-def _loader(ds: Any, batches: Any, collate: Any, cfg: TrainConfig, env: DistEnv) -> DataLoader:
-    workers = cfg.data.num_workers
-    # A generator of its own: by default every new iterator draws a seed from the global RNG,
-    # and a resumed run starts its iterator mid-epoch, which would shift dropout's random stream.
-    return DataLoader(ds, batch_sampler=batches, collate_fn=_CollateOrNone(collate),
-                      num_workers=workers, persistent_workers=workers > 0,
-                      pin_memory=env.device.type == "cuda",
-                      generator=torch.Generator().manual_seed(cfg.trainer.seed))

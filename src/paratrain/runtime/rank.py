@@ -104,7 +104,7 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
                          snapshots=snapshots, resumed=resumed,
                          on_best=save_best if cfg.trainer.keep_best else None, stop=stop,
                          pipeline=pipeline)
-        stall_watchdog.watch(loop.progress)
+        stall_watchdog.watch(loop.progress, plan.parallelism.roles(env.world_size))
         records = loggers.RunRecords.open(cfg, env, start_step=loop.step)  # TensorBoard, ...
         timeline.mark("records")
         last = loop.run(records)
