@@ -7,6 +7,7 @@ micro-batch: the pipeline's micro-batches are the 4 accumulation micro-batches o
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import read_summary, run_cli
 from tests.distributed._snapshot_helpers import args_for, reference_run, resume_under
@@ -92,3 +93,16 @@ def test_a_pipeline_that_does_not_divide_the_world_exits_2(request, tmp_path):
     assert "trainer.pipeline_parallel=3 does not divide the world of 2 processes" in r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "runs" / "bad" / "checkpoints").exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs: the stages' activations and gradients go over nccl's "
+                           "point-to-point transport (`paratrain doctor` suggests "
+                           "NCCL_P2P_DISABLE=1 where that transport hangs)")
+def test_pp2_on_two_gpus_over_nccl_is_one_gpu(request):
+    """The same P=2 run on cuda:0,1 (nccl send/recv between the stages) against one GPU: GPU
+    kernels differ from the CPU's, so the comparison is between the two GPU runs."""
+    one = _ref(request, **{**L4, "trainer.devices": "cuda:0"})
+    pp = _ref(request, **{**PP2, "trainer.devices": "cuda:0,1"})
+    assert read_summary(pp)["strategy"] == "pp"
+    assert_same_run(pp, one)
