@@ -111,8 +111,9 @@ def _after_existing_events(logdir: Path) -> None:
     second they were made, then host, pid and a per-process counter compared as text ("10" <
     "9"), so a writer made in the same second as the last one (a run resumed in the same
     process, as a notebook does) could sort first and see its purge undone."""
-    stamps = [int(p.name.split(".")[3]) for p in logdir.glob("events.out.tfevents.*")
-              if p.name.split(".")[3].isdigit()]
+    # events.out.tfevents.<seconds>.<host>...: the fourth dot-separated field
+    fields = [p.name.split(".")[3] for p in logdir.glob("events.out.tfevents.*")]
+    stamps = [int(f) for f in fields if f.isdigit()]
     while stamps and int(time.time()) <= max(stamps):
         time.sleep(0.05)
 
