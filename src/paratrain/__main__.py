@@ -1,8 +1,6 @@
 """`python -m paratrain ...` and `torchrun ... -m paratrain train cfg.yaml`."""
 
-import sys
-
-from .cli import main
+from .cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -19,7 +19,7 @@ from .checkpoint.rundir import check_run_dir
 from .config import TrainConfig
 from .dist import DistEnv, restart_attempt
 from .errors import ConfigError, Interrupted
-from .launch import environment
+from .launch import environment, forkserver
 from .launch.nodes import join_nodes
 from .launch.preemption import requeue_slurm_job
 from .launch.worker import exit_after_result, own_session
@@ -191,6 +191,7 @@ class Trainer:
             plan = make_plan(cfg, task, devices=devices, world_size=1, local_world_size=1)
             timeline.mark("launcher_data")
             return _result(run_rank(cfg, env, plan, task, timeline))
+        forkserver.start(forkserver.worker_modules(cfg))  # (the CLI opened it already)
         with join_nodes(d.master_addr, d.master_port, d.max_nodes, d.node_rank, nproc,
                         d.timeout_s, config=cfg.to_dict(), rdzv=d.rdzv,
                         min_nodes=d.min_nodes) as nodes:

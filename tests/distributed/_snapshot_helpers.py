@@ -40,9 +40,9 @@ def kill_job(proc: subprocess.Popen) -> str:
 
 
 def worker_pids(parent: int) -> list[int]:
-    """The elastic agent's worker processes: children of the CLI started by multiprocessing's
-    spawn (not its resource tracker)."""
-    out = []
+    """The elastic agent's worker processes: the CLI's children started by multiprocessing's
+    spawn, or the children of its forkserver (launch/forkserver.py); not its resource tracker."""
+    procs = {}
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
@@ -51,9 +51,11 @@ def worker_pids(parent: int) -> list[int]:
             cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent and "spawn_main" in cmd:
-            out.append(int(p.name))
-    return sorted(out)
+        procs[int(p.name)] = (ppid, cmd)
+    servers = {pid for pid, (ppid, cmd) in procs.items()
+               if ppid == parent and "forkserver import main" in cmd}
+    return sorted(pid for pid, (ppid, cmd) in procs.items()
+                  if ppid == parent and "spawn_main" in cmd or ppid in servers)
 
 
 def wait_for(cond: Callable[[], object], proc: subprocess.Popen, timeout: float = 120,

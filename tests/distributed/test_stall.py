@@ -17,30 +17,9 @@ import torch.distributed as dist
 from paratrain.dist import DistEnv
 from paratrain.launch.watchdog import Watchdog
 from tests.conftest import tiny_overrides
+from tests.distributed._snapshot_helpers import worker_pids
 
 pytestmark = pytest.mark.timeout(150)
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _workers(launcher_pid: int) -> list[int]:
-    """The elastic agent's worker processes, in local-rank order (started one after another)."""
-    found = []
-    for pid in _children(launcher_pid):
-        try:
-            if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():
-                found.append(pid)
-        except OSError:
-            pass
-    return sorted(found)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
@@ -64,7 +43,7 @@ def test_sigstopped_worker_is_named_and_the_job_ends(tmp_path, corpus_dir, cache
             assert time.monotonic() < deadline, "training did not start"
             time.sleep(0.2)
         time.sleep(2.0)  # a few heartbeats from inside the loop
-        workers = _workers(p.pid)
+        workers = worker_pids(p.pid)  # in local-rank order (started one after another)
         assert len(workers) == 2, workers
         stopped, other = 1, 0
         os.kill(workers[stopped], signal.SIGSTOP)
@@ -83,7 +62,7 @@ def test_sigstopped_worker_is_named_and_the_job_ends(tmp_path, corpus_dir, cache
     stack = (run_dir / "stacks" / f"rank-{other}.txt").read_text()
     assert "all threads" in stack and "trainer.py" in stack  # where the live rank waited
     assert not (run_dir / "stacks" / f"rank-{stopped}.txt").exists()
-    assert not any(Path(f"/proc/{w}").exists() and "spawn_main" in
+    assert not any(Path(f"/proc/{w}").exists() and "multiprocessing" in
                    Path(f"/proc/{w}/cmdline").read_text(errors="ignore") for w in workers)
 
 

@@ -29,6 +29,7 @@ import torch.distributed
 from .. import errors
 from ..errors import ConfigError, TrainingError
 from ..formatting import first_line, flatten
+from . import forkserver
 from .environment import failure_to_error, free_port
 from .preemption import AGENT_SIGNALS, ForwardToWorkers
 
@@ -117,13 +118,6 @@ class NodeGroup:
                                          "last_call_timeout": 1, "is_host": self.node_rank == 0}
         else:
             rdzv_conf = {"rank": self.node_rank, "timeout": int(self.timeout_s)}
-        config = LaunchConfig(
-            min_nodes=self.min_nodes or self.nnodes, max_nodes=self.nnodes,
-            nproc_per_node=self.nproc,
-            run_id=self.run_id, rdzv_endpoint=f"{self.master_addr}:{self.master_port}",
-            rdzv_backend=self.rdzv, rdzv_configs=rdzv_conf, max_restarts=max_restarts,
-            monitor_interval=0.1, start_method="spawn", shutdown_timeout=5,
-            signals_to_handle=AGENT_SIGNALS)  # the stop signals are ours: ForwardToWorkers
         reaper = _Reaper(self.store, self.run_id, self.node_rank)
         reaper.start()
         # The agent turns SIGINT/SIGTERM into SignalException (its handlers stay installed,
@@ -137,8 +131,17 @@ class NodeGroup:
         agent_env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if self.min_nodes else {}
         before = {k: os.environ.get(k) for k in agent_env}
         os.environ.update(agent_env)
+        start = forkserver.worker_start()  # (after agent_env: spawned workers inherit it too)
+        config = LaunchConfig(
+            min_nodes=self.min_nodes or self.nnodes, max_nodes=self.nnodes,
+            nproc_per_node=self.nproc,
+            run_id=self.run_id, rdzv_endpoint=f"{self.master_addr}:{self.master_port}",
+            rdzv_backend=self.rdzv, rdzv_configs=rdzv_conf, max_restarts=max_restarts,
+            monitor_interval=0.1, start_method=start.method, shutdown_timeout=5,
+            signals_to_handle=AGENT_SIGNALS)  # the stop signals are ours: ForwardToWorkers
         try:
-            return elastic_launch(config, entrypoint)(*args)
+            return elastic_launch(config, forkserver.with_environ)(start.environ, entrypoint,
+                                                                   *args)
         except ChildFailedError as e:
             verdict = reaper.verdict() or {}
             raise (TrainingError(verdict["message"]) if "message" in verdict

@@ -1,0 +1,129 @@
+"""Workers forked from a server that has already imported what they need, not spawned cold.
+
+A spawned worker is a fresh interpreter: before anything else it imports torch, paratrain and,
+for a Hugging Face model, transformers — 2-5 s per worker that came after the launcher's own
+imports and data preparation (benchmarks/startup.py). multiprocessing's forkserver does those
+imports once, in a process `start` opens at the very beginning of a command, while the launcher
+imports torch and prepares the data on another core; the elastic agent then forks every worker
+(and a restart's workers) from it with all of that loaded.
+
+A forked worker has the server's environment — the launcher's as it was when the server started
+— plus the agent's rank variables. `worker_start` says whether that still holds at launch time:
+variables the launcher added since are handed to the workers, which set them on arrival
+(`with_environ`); if a variable the server started with has changed or gone (a notebook that
+edits os.environ between two fits), the imported modules may have read the old value, so that
+launch spawns its workers cold as before. Torch-free: the CLI opens the server before it imports
+torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import re
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from ..errors import ConfigError
+from ..tasks import registry
+
+# The environment this process's server started with; None: no server started here. One per
+# process, as multiprocessing's forkserver (which it describes) is one per process.
+_server_environ: Optional[dict[str, str]] = None
+
+
+@dataclass(frozen=True)
+class WorkerStart:
+    """How one launch starts its workers."""
+    method: str  # multiprocessing's start method: "forkserver" or "spawn"
+    environ: Mapping[str, str] = field(default_factory=dict)  # set in each worker on arrival
+
+
+SPAWN = WorkerStart("spawn")
+_ONE_DEVICE = re.compile(r"cpu(:1)?|(cuda:|gpu:)?\d+")  # trainer.devices naming one device
+
+
+def start(modules: Sequence[str]) -> None:
+    """Open the server now, importing `modules` in it (once per process: later calls keep the
+    first server, whose imports a fresh one would only repeat)."""
+    global _server_environ
+    if _server_environ is not None:
+        return
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(modules))
+    _server_environ = dict(os.environ)
+    multiprocessing.forkserver.ensure_running()  # starts it; its imports run in the background
+
+
+def start_for(cfg: Any) -> None:
+    """The command's first act (before torch loads), where it will likely start workers here:
+    a config that cannot be read is left to the Trainer to report, as without the server."""
+    try:
+        if may_start_workers(cfg):
+            start(worker_modules(cfg))
+    except ConfigError:
+        pass
+
+
+def may_start_workers(cfg: Any) -> bool:
+    """A guess without torch: workers start here unless a launcher (torchrun, srun) made this
+    process one rank, or the run has one device on one node. A wrong guess costs only speed."""
+    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:
+        return False
+    devices, d = cfg.trainer.devices, cfg.distributed
+    if isinstance(devices, int):  # N devices
+        one = devices == 1
+    elif hasattr(devices, "__iter__") and not isinstance(devices, str):  # GPU indices
+        one = len(list(devices)) == 1
+    else:
+        one = bool(_ONE_DEVICE.fullmatch(str(devices).strip().lower()))
+    return not (one or cfg.trainer.strategy == "dp") or d.max_nodes > 1
+
+
+def stop() -> None:
+    """End this process's server at once: the CLI's last act, when nothing more will be launched.
+    Left to notice the command's exit, the server would first free every module of torch and
+    transformers (a second on an idle machine) while holding the command's output pipes open."""
+    global _server_environ
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if _server_environ is None or pid is None:
+        return
+    _server_environ = None
+    try:
+        os.kill(pid, signal.SIGKILL)  # idle: every worker it forked has ended
+    except ProcessLookupError:
+        pass
+
+
+def worker_start() -> WorkerStart:
+    """Fork from this process's server where a forked worker would be what a spawned one is."""
+    if _server_environ is None:
+        return SPAWN
+    now = os.environ
+    if any(now.get(key) != value for key, value in _server_environ.items()):
+        return SPAWN
+    return WorkerStart("forkserver", {k: v for k, v in now.items() if k not in _server_environ})
+
+
+def with_environ(environ: Mapping[str, str], entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """A worker's first act: the launcher's later variables (the agent's rank variables win)."""
+    for key, value in environ.items():
+        os.environ.setdefault(key, value)
+    return entrypoint(*args)
+
+
+def worker_modules(cfg: Any) -> list[str]:
+    """What a worker of this config imports before its first step. A name that does not import
+    is skipped by the server (its worker then fails as a spawned one would)."""
+    spec = registry.for_config(cfg)
+    modules = ["paratrain.trainer", spec.task.split(":")[0]]
+    if spec.pretrained:
+        model_type = str(registry.model_config(cfg.model.path).get("model_type", ""))
+        modules += ["transformers", "transformers.modeling_utils"]
+        if re.fullmatch(r"[a-z0-9_]+", model_type.replace("-", "_")):
+            kind = model_type.replace("-", "_")
+            modules.append(f"transformers.models.{kind}.modeling_{kind}")
+        if cfg.model.lora.r:
+            modules.append("peft")
+    return modules
