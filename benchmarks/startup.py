@@ -11,8 +11,10 @@ Phases of one command (seconds): `launcher` (the launching process's imports, da
 and the start of the workers, up to a worker process existing), `worker_imports`, `data`,
 `model` (process group, model built, optimizer; HF: its Trainer set up), `first_step`,
 `to_first_step` (the command's start to the end of its first optimizer step), `teardown` (the end
-of the last step to the command's exit), `wall`, and `cpu` (CPU seconds of the command and all its
-processes: the work, which the load does not change much). paratrain's come from summary.json's
+of the last step to the command's exit), `wall`, and `cpu` (CPU seconds the whole machine spent while the
+command ran, from /proc/stat: every process of the command counts, however it was started — the
+workers forked by paratrain's forkserver are not the command's waited-for children — and so does
+whatever else ran, which an idle machine keeps small). paratrain's come from summary.json's
 `timeline`, HF's from the timeline its script writes (hf_trainer_finetune.py).
 """
 
@@ -22,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -78,6 +79,13 @@ def _env() -> dict:
     return env
 
 
+def machine_cpu_s() -> float:
+    """CPU seconds spent by every core since boot (busy time: all but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # user nice system idle iowait irq softirq ...
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 def load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
@@ -105,15 +113,15 @@ def run_once(variant: str, work: Path, steps: int) -> dict:
         shutil.rmtree(work / "cache-cold", ignore_errors=True)
     cmd = command(variant, work, run_dir, steps)
     before = load()
-    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu0 = machine_cpu_s()
     t0 = time.time()
     r = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=900)
     end = time.time()
-    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu1 = machine_cpu_s()
     if r.returncode != 0:
         raise SystemExit(f"{variant} failed ({r.returncode}):\n{r.stderr[-3000:]}")
     out = {"variant": variant, "wall": end - t0, "load_before": before, "load_after": load(),
-           "cpu": cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime}
+           "cpu": cpu1 - cpu0}
     out.update(phases(variant, run_dir, t0, end))
     return out
 

@@ -23,6 +23,7 @@ import multiprocessing.forkserver
 import os
 import re
 import signal
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -42,6 +43,10 @@ class WorkerStart:
 
 
 SPAWN = WorkerStart("spawn")
+# The signals that reach every process of a job (Ctrl-C, Slurm's SIGTERM, a requeue's SIGUSR1):
+# the server ignores them, since a server that died could not tell the agent how its workers
+# ended (multiprocessing would report exit code 255 for workers that are still training).
+_JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
 _ONE_DEVICE = re.compile(r"cpu(:1)?|(cuda:|gpu:)?\d+")  # trainer.devices naming one device
 
 
@@ -49,11 +54,19 @@ def start(modules: Sequence[str]) -> None:
     """Open the server now, importing `modules` in it (once per process: later calls keep the
     first server, whose imports a fresh one would only repeat)."""
     global _server_environ
-    if _server_environ is not None:
-        return
+    handlers = {sig: signal.getsignal(sig) for sig in _JOB_SIGNALS}
+    if _server_environ is not None or None in handlers.values() \
+            or threading.current_thread() is not threading.main_thread():
+        return  # (signal handlers set outside Python, or not ours to set: workers are spawned)
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(modules))
     _server_environ = dict(os.environ)
-    multiprocessing.forkserver.ensure_running()  # starts it; its imports run in the background
+    for sig in _JOB_SIGNALS:  # ignored from its first instruction on (exec keeps SIG_IGN)
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()  # starts it; it imports in the background
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def start_for(cfg: Any) -> None:
@@ -107,7 +120,12 @@ def worker_start() -> WorkerStart:
 
 
 def with_environ(environ: Mapping[str, str], entrypoint: Callable[..., Any], *args: Any) -> Any:
-    """A worker's first act: the launcher's later variables (the agent's rank variables win)."""
+    """A worker's first act: the job's signals back to Python's defaults (a forked worker
+    inherits the server's ignoring them) and the launcher's later variables (the agent's rank
+    variables win)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in _JOB_SIGNALS[1:]:
+        signal.signal(sig, signal.SIG_DFL)
     for key, value in environ.items():
         os.environ.setdefault(key, value)
     return entrypoint(*args)
