@@ -174,3 +174,34 @@ def test_a_stalled_rank_is_named_with_its_pipeline_stage(tmp_path):
         dogs[0]._observe()
     verdict = dogs[0]._diagnose(dead_after=10, collective=True)
     assert "rank 1 (pipeline stage 1, 3) stalled at step 5" in verdict["message"]
+
+
+def test_zero_bubble_runs_two_stages_per_process_with_a_third_of_the_bubble():
+    from paratrain.parallel.pipeline_schedules import ideal_bubble, in_flight, schedule_class
+    from paratrain.tools.bench import choose_variants
+    p, why = resolve(pp=2, world=2, schedule="zero-bubble", layers=8)
+    assert p.split == (2, 2, 2, 2) and p.stages_of(0) == [0, 2] and "zero-bubble" in why
+    assert schedule_class("zero-bubble").__name__ == "ScheduleInterleavedZeroBubble"
+    assert in_flight("zero-bubble", 2, 4) == in_flight("1f1b", 2, 4) == 2  # 1F1B's memory
+    with pytest.raises(ConfigError, match=r"rounds of 2"):  # interleaved's rule
+        check_schedule(p, 5)
+    cfg = TrainConfig.from_yaml(None, ["model.preset=tiny", "model.num_layers=4",
+                                       "trainer.batch_size=2", "trainer.global_batch_size=8"])
+    runs, skipped = choose_variants(cfg, [CPU, CPU], ["pp-interleaved", "pp-zb"], False)
+    assert not skipped and [v.label for v in runs] == ["pp2-interleaved", "pp2-zb"]
+    # P=2, M=4, V=2: (P - 1) / (V x M + P - 1), and with F = B = W a third of the work idles
+    assert runs[0].ideal_bubble == 1 / 9 and runs[1].ideal_bubble == 1 / 25
+    assert ideal_bubble("1f1b", 2, 4) == 1 / 5 and "trainer.pipeline_schedule=zero-bubble" in \
+        runs[1].overrides
+    # the plan: rank 0 holds stages 0 and 2 (the embedding, blocks 0 and 2) and, as under
+    # 1F1B's order, P=2 micro-batches' activations of them
+    zb = _plan_rows("trainer.pipeline_schedule=zero-bubble")["ddp+pp2"]
+    inter = _plan_rows("trainer.pipeline_schedule=interleaved-1f1b")["ddp+pp2"]
+    assert zb.activation_bytes == inter.activation_bytes > 0
+    assert zb.params_bytes == inter.params_bytes
+    with pytest.raises(ConfigError, match=r"zero-bubble splits each backward .* "
+                                          r"trainer.compile=false"):
+        TrainConfig.from_yaml(None, ["model.preset=tiny", "trainer.pipeline_parallel=2",
+                                     "model.num_layers=4", "trainer.compile=true",
+                                     "trainer.pipeline_schedule=zero-bubble"])
+
