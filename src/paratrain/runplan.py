@@ -171,3 +171,28 @@ def check_elastic_batch(batch_size: int, global_batch: int, nproc: int, min_node
             f"{', '.join(map(str, bad))} worker(s) (trainer.batch_size={batch_size} each), world "
             f"sizes that distributed.nnodes={min_nodes}:{max_nodes} allows; use a multiple of "
             f"{fits}")
+
+
+def check_elastic_layout(pp: int, tp: int, nproc: int, min_nodes: int, max_nodes: int) -> None:
+    """An elastic job re-plans its layout for each round's world: refuse, before anything
+    starts, a pipeline (x tensor parallelism) that some node count in the range cannot split
+    into equal stages, naming those counts and what would fit."""
+    import math
+    group = pp * tp  # processes one data-parallel replica spans: all its stages, each TP-split
+    if group == 1:
+        return
+    counts = range(min_nodes, max_nodes + 1)
+    bad = [n for n in counts if (n * nproc) % group]
+    if not bad:
+        return
+    key = f"trainer.pipeline_parallel={pp}" + (f" x trainer.tensor_parallel={tp}" if tp > 1
+                                               else "")
+    good = [n for n in counts if n not in bad]
+    common = math.gcd(*(n * nproc for n in counts)) // tp
+    fits = [d for d in range(1, common + 1) if common % d == 0]
+    raise ConfigError(
+        f"{key} needs a world divisible by {group}, but distributed.nnodes={min_nodes}:"
+        f"{max_nodes} allows {', '.join(map(str, bad))} node(s) of {nproc} process(es) "
+        f"({', '.join(str(n * nproc) for n in bad)} processes); "
+        + (f"keep the node counts that fit ({', '.join(map(str, good))}) or " if good else "")
+        + f"use trainer.pipeline_parallel in {', '.join(map(str, fits))}")

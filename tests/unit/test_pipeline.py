@@ -205,3 +205,23 @@ def test_zero_bubble_runs_two_stages_per_process_with_a_third_of_the_bubble():
                                      "model.num_layers=4", "trainer.compile=true",
                                      "trainer.pipeline_schedule=zero-bubble"])
 
+
+def test_an_elastic_range_must_split_into_stages_at_every_node_count(tmp_path, monkeypatch,
+                                                                   capsys, corpus_dir, cache_dir):
+    from paratrain.runplan import check_elastic_layout
+    from tests.conftest import cli_error, tiny_overrides
+    check_elastic_layout(2, 1, 2, 1, 4)  # 2 processes per node: every world is even
+    check_elastic_layout(4, 1, 1, 4, 4)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel=2 x trainer.tensor_parallel=2 "
+                                          r"needs a world divisible by 4, .* allows 3 node"):
+        check_elastic_layout(2, 2, 2, 2, 4)
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(capsys, ["train"] + tiny_overrides(corpus_dir, cache_dir, **{
+        "distributed.nnodes": "1:3", "distributed.master_port": 29999, "trainer.devices": "cpu:1",
+        "model.num_layers": 4, "trainer.batch_size": 2, "trainer.global_batch_size": 12,
+        "trainer.pipeline_parallel": 2}))
+    assert ("trainer.pipeline_parallel=2 needs a world divisible by 2, but "
+            "distributed.nnodes=1:3 allows 1, 3 node(s) of 1 process(es) (1, 3 processes); "
+            "keep the node counts that fit (2) or use trainer.pipeline_parallel in 1") in line
+    assert not (tmp_path / "runs").exists()
+
