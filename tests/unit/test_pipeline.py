@@ -225,3 +225,41 @@ def test_an_elastic_range_must_split_into_stages_at_every_node_count(tmp_path, m
             "keep the node counts that fit (2) or use trainer.pipeline_parallel in 1") in line
     assert not (tmp_path / "runs").exists()
 
+
+def test_auto_picks_the_smallest_pipeline_only_when_nothing_else_fits(tmp_path, corpus_dir,
+                                                                      cache_dir):
+    """auto's memory plan for a real language-model task on 4 processes. The model's blocks are
+    wide and its micro-batch short, so FSDP's gathered blocks and whole-model activations weigh
+    more than a quarter of its state: P=4 needs less per device than fsdp+ac, P=2 (half the
+    state on each replica) more. On a device that fits P=4 and nothing else, auto picks P=4,
+    says why, and the run plan is that pipeline; on one that also fits fsdp+ac, fsdp+ac."""
+    from paratrain.dist import DistEnv
+    from paratrain.parallel.memory_plan import MARGIN, estimate
+    from paratrain.runplan import auto_choice, auto_pipelines, make_plan
+    from paratrain.runtime.rank import prepare_task
+    from tests.conftest import tiny_overrides
+    cfg = TrainConfig.from_yaml(None, tiny_overrides(corpus_dir, cache_dir, **{
+        "model.num_layers": 4, "model.hidden_size": 256, "data.seq_length": 16,
+        "trainer.batch_size": 1, "trainer.global_batch_size": 4}))
+    task = prepare_task(cfg, DistEnv(), quiet=True)
+    probe = task.memory_probe()
+    rows = estimate(probe.build_model, world=4, precision="fp32", micro_batch=1,
+                    seq_length=probe.seq_length, vocab_size=probe.vocab_size,
+                    shard_group_size=4)  # what auto_choice measures for one node of 4
+    dp = {r.label: r.device_bytes for r in rows if not r.parallelism.offloads_to_host}
+    assert list(dp) == ["ddp", "fsdp", "fsdp+ac"]
+    pp2, pp4 = auto_pipelines(cfg, task, world_size=4, local_world_size=4, device=CPU)
+    assert (pp2.label, pp4.label) == ("ddp+pp2", "pp4")
+    assert pp4.device_bytes < min(dp.values()) < pp2.device_bytes, (pp2, pp4, dp)
+
+    def pick(fits_bytes):  # a device on which `fits_bytes` just fits
+        return auto_choice(cfg, task, world_size=4, device=CPU, local_world_size=4,
+                           capacity=int(fits_bytes / MARGIN) + 1)
+    got = pick(pp4.device_bytes)
+    assert got.label == "pp4" and "the only layout on the device that fits (fsdp+ac, the " \
+        "smallest without a pipeline," in got.why and "blocks per stage [1, 1, 1, 1]" in got.why
+    plan = make_plan(cfg, task, devices=[CPU] * 4, world_size=4, local_world_size=4,
+                     choice=got)
+    assert plan.dims.pp == 4 and plan.dims.dp == 1 and plan.accum == 4
+    assert plan.parallelism.name == "pp" and plan.parallelism_reason == got.why
+    assert pick(dp["fsdp+ac"]).label == "fsdp+ac"
