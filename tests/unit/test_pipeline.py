@@ -193,12 +193,6 @@ def test_zero_bubble_runs_two_stages_per_process_with_a_third_of_the_bubble():
     assert runs[0].ideal_bubble == 1 / 9 and runs[1].ideal_bubble == 1 / 25
     assert ideal_bubble("1f1b", 2, 4) == 1 / 5 and "trainer.pipeline_schedule=zero-bubble" in \
         runs[1].overrides
-    # the plan: rank 0 holds stages 0 and 2 (the embedding, blocks 0 and 2) and, as under
-    # 1F1B's order, P=2 micro-batches' activations of them
-    zb = _plan_rows("trainer.pipeline_schedule=zero-bubble")["ddp+pp2"]
-    inter = _plan_rows("trainer.pipeline_schedule=interleaved-1f1b")["ddp+pp2"]
-    assert zb.activation_bytes == inter.activation_bytes > 0
-    assert zb.params_bytes == inter.params_bytes
     with pytest.raises(ConfigError, match=r"zero-bubble splits each backward .* "
                                           r"trainer.compile=false"):
         TrainConfig.from_yaml(None, ["model.preset=tiny", "trainer.pipeline_parallel=2",
