@@ -287,10 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     cs.set_defaults(func=cmd_config_show)
 
-    dr = sub.add_parser("doctor", help="environment, devices, master address and an all-reduce",
+    dr = sub.add_parser("doctor", help="environment, devices, master address, an all-reduce and "
+                                       "send/recv",
                         description="Versions, devices, backends, env vars, master address and "
                                     "port; then an all-reduce over the local devices (and nodes "
-                                    "with --nnodes) with bus bandwidth as nccl-tests reports it.")
+                                    "with --nnodes) with bus bandwidth as nccl-tests reports it, "
+                                    "and send/recv between neighbouring ranks (pipeline stages).")
     _doctor_arguments(dr)
     dr.set_defaults(func=cmd_doctor)
 

@@ -124,7 +124,8 @@ class TrainerConfig:
     shard_group_size: Optional[int] = None  # hsdp: ranks per shard group (null: those of a node)
     tensor_parallel: int = 1  # processes of a node that split each layer's matrices (1: off)
     pipeline_parallel: int = 1  # stages: consecutive blocks on different processes (1: off)
-    pipeline_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved-1f1b (2 stages per process)
+    pipeline_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved-1f1b | zero-bubble (the last
+    # two: 2 stages per process)
     pipeline_split: Optional[List[int]] = None  # blocks per stage, in order (null: even)
     progress_bar: bool = True
     early_stopping_patience: Optional[int] = None  # stop after N evaluations without improvement

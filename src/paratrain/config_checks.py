@@ -25,8 +25,9 @@ BACKENDS = ("auto", "gloo", "nccl")
 OPTIMIZERS = ("adamw", "adafactor", "sgd", "adamw-8bit")
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 INITS = ("gpt2", "torch")
-# trainer.pipeline_schedule -> the stages each process runs (interleaved: 2, "virtual" stages)
-PIPELINE_SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2}
+# trainer.pipeline_schedule -> the stages each process runs (interleaved: 2, "virtual" stages;
+# zero-bubble: the interleaved placement too; parallel/pipeline_schedules.py says what each is)
+PIPELINE_SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "zero-bubble": 2}
 PRETRAINING_RUN_NAME = "stdlib-llama"  # run.name of a run that fine-tunes nothing
 
 
@@ -198,6 +199,9 @@ def _check_pipeline(cfg: Any, spec: registry.TaskSpec, args: Any) -> None:
         (tr.tensor_parallel > 1, f"{key} is not combined with trainer.tensor_parallel yet; "
          "use one of them"),
         (tr.cpu_offload, f"{key} does not offload to the CPU; set trainer.cpu_offload=false"),
+        (tr.compile and tr.pipeline_schedule == "zero-bubble", "trainer.pipeline_schedule="
+         "zero-bubble splits each backward in two, which torch does not do for compiled "
+         "modules; set trainer.compile=false or another schedule"),
         (tr.precision == "fp16-mixed", f"{key} has no gradient scaler for fp16-mixed; use "
          "trainer.precision=bf16-mixed or fp32"),
         (not cfg.data.drop_last, f"{key} runs full micro-batches only; set data.drop_last=true"),

@@ -11,15 +11,16 @@ Workers derive nothing again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from .config import TrainConfig
 from .errors import ConfigError, DataError
 from .parallel.dims import ParallelDims
-from .parallel.memory_plan import Choice, choose, device_capacity, estimate
-from .parallel.pipeline import check_schedule, resolve_pipeline_parallel
+from .parallel.memory_plan import Choice, Estimate, choose, device_capacity, estimate, \
+    pipeline_estimate
+from .parallel.pipeline import PipelineParallel, check_schedule, resolve_pipeline_parallel
 from .parallel.strategies import Parallelism, resolve_parallelism
 from .parallel.tensor import check_tp_plan, resolve_tensor_parallel
 from .tasks.base import Task
@@ -61,7 +62,9 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     from .records import loggers
     tr = cfg.trainer
     devices = list(devices)
-    if tr.pipeline_parallel > 1:
+    if choice is not None and isinstance(choice.parallelism, PipelineParallel):
+        parallelism, why = choice.parallelism, choice.why  # auto's last resort (`auto_choice`)
+    elif tr.pipeline_parallel > 1:
         parallelism, why = resolve_pipeline_parallel(
             tr.strategy, tr.pipeline_parallel, schedule=tr.pipeline_schedule,
             split=tr.pipeline_split, num_layers=pipeline_blocks(task, tr.pipeline_parallel),
@@ -102,10 +105,12 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
 
 
 def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.device,
-                local_world_size: int) -> Optional[Choice]:
+                local_world_size: int, capacity: Optional[int] = None) -> Optional[Choice]:
     """For `trainer.strategy=auto` on several processes: the memory plan's pick for this device
-    (None when auto needs no plan, or the task's model cannot be probed: auto is then ddp). One
-    process decides and the others follow: device capacities differ a little between ranks."""
+    (None when auto needs no plan, or the task's model cannot be probed: auto is then ddp); a
+    pipeline only when no other layout fits on the device (`auto_pipelines`). `capacity`: the
+    device's bytes (default: what it has). One process decides and the others follow: device
+    capacities differ a little between ranks."""
     tr = cfg.trainer
     probe = task.memory_probe()
     if tr.strategy != "auto" or world_size == 1 or tr.cpu_offload or probe is None \
@@ -116,7 +121,33 @@ def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.
                     vocab_size=probe.vocab_size, reshard_after_forward=tr.reshard_after_forward,
                     shard_group_size=tr.shard_group_size or local_world_size,
                     frozen_factory=probe.build_frozen)
-    return choose(rows, device_capacity(device, local_world_size))
+    capacity = device_capacity(device, local_world_size) if capacity is None else capacity
+    return choose(rows, capacity, lambda: auto_pipelines(
+        cfg, task, world_size=world_size, local_world_size=local_world_size, device=device))
+
+
+def auto_pipelines(cfg: TrainConfig, task: Task, *, world_size: int, local_world_size: int,
+                   device: torch.device) -> Iterator[Estimate]:
+    """The pipelines `auto` may fall back on, P = 2 first, then the other divisors of the world
+    (ddp over the rest, the config's schedule): each that this config and task can run, as the
+    memory plan's row; none for a model that cannot be split (any but the built-in ones)."""
+    tr, probe = cfg.trainer, task.memory_probe()
+    for pp in range(2, world_size + 1) if probe is not None else ():
+        if world_size % pp:
+            continue
+        try:  # what `trainer.pipeline_parallel=pp` would be refused for, in the same words
+            cfg.with_overrides([f"trainer.pipeline_parallel={pp}"])
+            pipeline, _ = resolve_pipeline_parallel(
+                "auto", pp, schedule=tr.pipeline_schedule, split=None,
+                num_layers=pipeline_blocks(task, pp), world_size=world_size,
+                local_world_size=local_world_size, device=device)
+            accum, _ = batch_plan(tr.batch_size, world_size // pp, tr.global_batch_size)
+            check_schedule(pipeline, accum)
+        except ConfigError:
+            continue
+        yield pipeline_estimate(probe.build_model, pipeline, precision=tr.precision,
+                                micro_batch=tr.batch_size, micro_batches=accum,
+                                seq_length=probe.seq_length, vocab_size=probe.vocab_size)
 
 
 def pipeline_blocks(task: Task, pp: int) -> int:
@@ -171,3 +202,28 @@ def check_elastic_batch(batch_size: int, global_batch: int, nproc: int, min_node
             f"{', '.join(map(str, bad))} worker(s) (trainer.batch_size={batch_size} each), world "
             f"sizes that distributed.nnodes={min_nodes}:{max_nodes} allows; use a multiple of "
             f"{fits}")
+
+
+def check_elastic_layout(pp: int, tp: int, nproc: int, min_nodes: int, max_nodes: int) -> None:
+    """An elastic job re-plans its layout for each round's world: refuse, before anything
+    starts, a pipeline (x tensor parallelism) that some node count in the range cannot split
+    into equal stages, naming those counts and what would fit."""
+    import math
+    group = pp * tp  # processes one data-parallel replica spans: all its stages, each TP-split
+    if group == 1:
+        return
+    counts = range(min_nodes, max_nodes + 1)
+    bad = [n for n in counts if (n * nproc) % group]
+    if not bad:
+        return
+    key = f"trainer.pipeline_parallel={pp}" + (f" x trainer.tensor_parallel={tp}" if tp > 1
+                                               else "")
+    good = [n for n in counts if n not in bad]
+    common = math.gcd(*(n * nproc for n in counts)) // tp
+    fits = [d for d in range(1, common + 1) if common % d == 0]
+    raise ConfigError(
+        f"{key} needs a world divisible by {group}, but distributed.nnodes={min_nodes}:"
+        f"{max_nodes} allows {', '.join(map(str, bad))} node(s) of {nproc} process(es) "
+        f"({', '.join(str(n * nproc) for n in bad)} processes); "
+        + (f"keep the node counts that fit ({', '.join(map(str, good))}) or " if good else "")
+        + f"use trainer.pipeline_parallel in {', '.join(map(str, fits))}")

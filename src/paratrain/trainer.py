@@ -27,7 +27,8 @@ from .parallel.dims import check_tensor_parallel
 from .parallel.strategies import processes_per_node
 from .records.console import log
 from .records.timeline import Timeline
-from .runplan import RunPlan, auto_choice, check_elastic_batch, make_plan
+from .runplan import RunPlan, auto_choice, check_elastic_batch, check_elastic_layout, \
+    make_plan
 from .runtime.rank import prepare_task, run_rank
 from .tasks import registry
 from .tasks.base import Task, TaskRecords, check_picklable
@@ -182,9 +183,11 @@ class Trainer:
         nproc = processes_per_node(cfg.trainer.strategy, len(devices))
         check_tensor_parallel(cfg.trainer.tensor_parallel, world=nproc * d.min_nodes,
                               local_world=nproc, shard_group=cfg.trainer.shard_group_size)
-        if d.elastic:  # every world size the range allows must give the same global batch
+        if d.elastic:  # every world size the range allows must give the same global batch,
             check_elastic_batch(cfg.trainer.batch_size, cfg.trainer.global_batch_size, nproc,
-                                d.min_nodes, d.max_nodes)
+                                d.min_nodes, d.max_nodes)  # and the same pipeline stages
+            check_elastic_layout(cfg.trainer.pipeline_parallel, cfg.trainer.tensor_parallel,
+                                 nproc, d.min_nodes, d.max_nodes)
         if nproc == 1 and d.max_nodes == 1:  # one process: train right here
             env = DistEnv.single(devices[0])
             task = prepare_task(cfg, env, self.given)

@@ -1,8 +1,9 @@
-"""Pipeline parallelism with real gloo workers: P=2 on 2 processes (1f1b, gpipe, interleaved-1f1b)
-against one process, P=2 x DDP 2 on 4 processes, and snapshots moving between pipeline and
-data-parallel layouts. Every run is a cached reference run (BASE: 16 steps of 8 sequences, a
-snapshot every 4 steps, sample ids recorded) of the tiny Llama with 4 blocks, 2 sequences per
-micro-batch: the pipeline's micro-batches are the 4 accumulation micro-batches of a step."""
+"""Pipeline parallelism with real gloo workers: P=2 on 2 processes (1f1b, gpipe, interleaved-1f1b,
+zero-bubble) against one process, P=2 x DDP 2 on 4 processes, and snapshots moving between
+pipeline and data-parallel layouts. Every run is a cached reference run (BASE: 16 steps of 8
+sequences, a snapshot every 4 steps, sample ids recorded) of the tiny Llama with 4 blocks, 2
+sequences per micro-batch: the pipeline's micro-batches are the 4 accumulation micro-batches of a
+step."""
 
 from __future__ import annotations
 
@@ -37,14 +38,17 @@ def test_pp2_on_two_processes_is_one_process(request, schedule):
     assert abs(summary["val_loss"] - read_summary(one)["val_loss"]) < 1e-6
 
 
-def test_interleaved_1f1b_with_two_stages_per_process_is_one_process(request):
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble"])
+def test_two_stages_per_process_is_one_process(request, schedule):
+    """interleaved-1f1b, and zero-bubble (the same placement, each backward split into the
+    input's gradient and the weights', the latter run later to fill the bubble)."""
     # 8 blocks at the default learning rate spike (gradient norms of 5-8) and amplify fp32
     # rounding step by step; at a quarter of it the run is smooth and the comparison meaningful
     l8 = {"model.num_layers": 8, "trainer.max_steps": 10, "checkpoint.every_steps": 0,
           "optim.lr": 5e-4}
     one = _ref(request, **{**ONE, **l8})
-    pp = _ref(request, **{**PP2, **l8, "trainer.pipeline_schedule": "interleaved-1f1b"})
-    assert "blocks per stage [2, 2, 2, 2]" in read_summary(pp)["strategy_reason"]
+    pp = _ref(request, **{**PP2, **l8, "trainer.pipeline_schedule": schedule})
+    assert f"({schedule}, blocks per stage [2, 2, 2, 2])" in read_summary(pp)["strategy_reason"]
     assert_same_run(pp, one)
 
 

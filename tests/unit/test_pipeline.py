@@ -174,3 +174,86 @@ def test_a_stalled_rank_is_named_with_its_pipeline_stage(tmp_path):
         dogs[0]._observe()
     verdict = dogs[0]._diagnose(dead_after=10, collective=True)
     assert "rank 1 (pipeline stage 1, 3) stalled at step 5" in verdict["message"]
+
+
+def test_zero_bubble_runs_two_stages_per_process_with_a_third_of_the_bubble():
+    from paratrain.parallel.pipeline_schedules import ideal_bubble, in_flight, schedule_class
+    from paratrain.tools.bench import choose_variants
+    p, why = resolve(pp=2, world=2, schedule="zero-bubble", layers=8)
+    assert p.split == (2, 2, 2, 2) and p.stages_of(0) == [0, 2] and "zero-bubble" in why
+    assert schedule_class("zero-bubble").__name__ == "ScheduleInterleavedZeroBubble"
+    assert in_flight("zero-bubble", 2, 4) == in_flight("1f1b", 2, 4) == 2  # 1F1B's memory
+    with pytest.raises(ConfigError, match=r"rounds of 2"):  # interleaved's rule
+        check_schedule(p, 5)
+    cfg = TrainConfig.from_yaml(None, ["model.preset=tiny", "model.num_layers=4",
+                                       "trainer.batch_size=2", "trainer.global_batch_size=8"])
+    runs, skipped = choose_variants(cfg, [CPU, CPU], ["pp-interleaved", "pp-zb"], False)
+    assert not skipped and [v.label for v in runs] == ["pp2-interleaved", "pp2-zb"]
+    # P=2, M=4, V=2: (P - 1) / (V x M + P - 1), and with F = B = W a third of the work idles
+    assert runs[0].ideal_bubble == 1 / 9 and runs[1].ideal_bubble == 1 / 25
+    assert ideal_bubble("1f1b", 2, 4) == 1 / 5 and "trainer.pipeline_schedule=zero-bubble" in \
+        runs[1].overrides
+    with pytest.raises(ConfigError, match=r"zero-bubble splits each backward .* "
+                                          r"trainer.compile=false"):
+        TrainConfig.from_yaml(None, ["model.preset=tiny", "trainer.pipeline_parallel=2",
+                                     "model.num_layers=4", "trainer.compile=true",
+                                     "trainer.pipeline_schedule=zero-bubble"])
+
+
+def test_an_elastic_range_must_split_into_stages_at_every_node_count(tmp_path, monkeypatch,
+                                                                   capsys, corpus_dir, cache_dir):
+    from paratrain.runplan import check_elastic_layout
+    from tests.conftest import cli_error, tiny_overrides
+    check_elastic_layout(2, 1, 2, 1, 4)  # 2 processes per node: every world is even
+    check_elastic_layout(4, 1, 1, 4, 4)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel=2 x trainer.tensor_parallel=2 "
+                                          r"needs a world divisible by 4, .* allows 3 node"):
+        check_elastic_layout(2, 2, 2, 2, 4)
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(capsys, ["train"] + tiny_overrides(corpus_dir, cache_dir, **{
+        "distributed.nnodes": "1:3", "distributed.master_port": 29999, "trainer.devices": "cpu:1",
+        "model.num_layers": 4, "trainer.batch_size": 2, "trainer.global_batch_size": 12,
+        "trainer.pipeline_parallel": 2}))
+    assert ("trainer.pipeline_parallel=2 needs a world divisible by 2, but "
+            "distributed.nnodes=1:3 allows 1, 3 node(s) of 1 process(es) (1, 3 processes); "
+            "keep the node counts that fit (2) or use trainer.pipeline_parallel in 1") in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_auto_picks_the_smallest_pipeline_only_when_nothing_else_fits(tmp_path, corpus_dir,
+                                                                      cache_dir):
+    """auto's memory plan for a real language-model task on 4 processes. The model's blocks are
+    wide and its micro-batch short, so FSDP's gathered blocks and whole-model activations weigh
+    more than a quarter of its state: P=4 needs less per device than fsdp+ac, P=2 (half the
+    state on each replica) more. On a device that fits P=4 and nothing else, auto picks P=4,
+    says why, and the run plan is that pipeline; on one that also fits fsdp+ac, fsdp+ac."""
+    from paratrain.dist import DistEnv
+    from paratrain.parallel.memory_plan import MARGIN, estimate
+    from paratrain.runplan import auto_choice, auto_pipelines, make_plan
+    from paratrain.runtime.rank import prepare_task
+    from tests.conftest import tiny_overrides
+    cfg = TrainConfig.from_yaml(None, tiny_overrides(corpus_dir, cache_dir, **{
+        "model.num_layers": 4, "model.hidden_size": 256, "data.seq_length": 16,
+        "trainer.batch_size": 1, "trainer.global_batch_size": 4}))
+    task = prepare_task(cfg, DistEnv(), quiet=True)
+    probe = task.memory_probe()
+    rows = estimate(probe.build_model, world=4, precision="fp32", micro_batch=1,
+                    seq_length=probe.seq_length, vocab_size=probe.vocab_size,
+                    shard_group_size=4)  # what auto_choice measures for one node of 4
+    dp = {r.label: r.device_bytes for r in rows if not r.parallelism.offloads_to_host}
+    assert list(dp) == ["ddp", "fsdp", "fsdp+ac"]
+    pp2, pp4 = auto_pipelines(cfg, task, world_size=4, local_world_size=4, device=CPU)
+    assert (pp2.label, pp4.label) == ("ddp+pp2", "pp4")
+    assert pp4.device_bytes < min(dp.values()) < pp2.device_bytes, (pp2, pp4, dp)
+
+    def pick(fits_bytes):  # a device on which `fits_bytes` just fits
+        return auto_choice(cfg, task, world_size=4, device=CPU, local_world_size=4,
+                           capacity=int(fits_bytes / MARGIN) + 1)
+    got = pick(pp4.device_bytes)
+    assert got.label == "pp4" and "the only layout on the device that fits (fsdp+ac, the " \
+        "smallest without a pipeline," in got.why and "blocks per stage [1, 1, 1, 1]" in got.why
+    plan = make_plan(cfg, task, devices=[CPU] * 4, world_size=4, local_world_size=4,
+                     choice=got)
+    assert plan.dims.pp == 4 and plan.dims.dp == 1 and plan.accum == 4
+    assert plan.parallelism.name == "pp" and plan.parallelism_reason == got.why
+    assert pick(dp["fsdp+ac"]).label == "fsdp+ac"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -88,18 +88,28 @@ def activation_bytes_per_sample(factory: Callable[[], nn.Module], seq_length: in
                                 vocab_size: int, precision: str, checkpointing: bool) -> int:
     """Bytes saved for backward by one sample's forward (and loss), measured on the CPU."""
     from .strategies import apply_activation_checkpointing
-    torch.manual_seed(0)
-    model = factory()
-    if precision == "bf16-true":
-        model.to(torch.bfloat16)
+    model = _cpu_model(factory, precision)
     if checkpointing:
         apply_activation_checkpointing(model)
     idx = torch.randint(0, vocab_size, (1, seq_length))  # (1, T)
+    return _saved_bytes(model, idx, idx, precision)
+
+
+def _cpu_model(factory: Callable[[], nn.Module], precision: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = factory()
+    return model.to(torch.bfloat16) if precision == "bf16-true" else model
+
+
+def _saved_bytes(module: nn.Module, x: torch.Tensor, targets: Optional[torch.Tensor],
+                 precision: str) -> int:
+    """What autograd saves in `module`'s forward of x (and the loss, given `targets`)."""
     dtype = AUTOCAST.get(precision)
     amp = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    with SavedTensorMeter(model) as meter, amp:
-        logits = model(idx)  # (1, T, V)
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
+    with SavedTensorMeter(module) as meter, amp:
+        out = module(x)  # (1, T, V), or a pipeline stage's (1, T, C)
+        if targets is not None:
+            torch.nn.functional.cross_entropy(out.float().flatten(0, 1), targets.flatten())
     return meter.bytes
 
 
@@ -151,18 +161,67 @@ def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, mi
     return rows
 
 
-def choose(rows: List[Estimate], capacity: int) -> Choice:
-    """The first candidate, in order of speed, whose peak fits in MARGIN of the device."""
+def choose(rows: List[Estimate], capacity: int,
+           pipelines: Optional[Callable[[], Iterable[Estimate]]] = None) -> Choice:
+    """The first candidate, in order of speed, whose peak fits in MARGIN of the device.
+    `pipelines`: auto's pipelines, smallest first (measured only when asked for): tried when no
+    layout that keeps its state on the device fits, before offloading it to the host, so auto
+    picks one only when it is the only layout on the device that fits."""
     budget = int(capacity * MARGIN)
-    for r in rows:
+    on_device = [r for r in rows if not r.parallelism.offloads_to_host]
+    offloaded = [r for r in rows if r.parallelism.offloads_to_host]
+    for r in on_device:
         if r.device_bytes <= budget:
-            return Choice(r.parallelism, r.activation_checkpointing,
-                          f"auto: {r.label} needs {human_bytes(r.device_bytes)} of "
-                          f"{human_bytes(capacity)} per device")
+            return _picked(r, capacity)
+    smallest = min(on_device, key=lambda r: r.device_bytes)
+    for r in pipelines() if pipelines is not None else ():
+        if r.device_bytes <= budget:
+            p = r.parallelism
+            return _picked(r, capacity, f", the only layout on the device that fits "
+                                        f"({smallest.label}, the smallest without a pipeline, "
+                                        f"needs {human_bytes(smallest.device_bytes)}; "
+                                        f"{p.schedule}, blocks per stage {list(p.split)})")
+    for r in offloaded:
+        if r.device_bytes <= budget:
+            return _picked(r, capacity)
     last = rows[-1]
     return Choice(last.parallelism, last.activation_checkpointing,
                   f"auto: nothing fits in {human_bytes(capacity)} per device (smallest: "
                   f"{last.label} at {human_bytes(last.device_bytes)}); trying {last.label}")
+
+
+def _picked(row: Estimate, capacity: int, more: str = "") -> Choice:
+    return Choice(row.parallelism, row.activation_checkpointing,
+                  f"auto: {row.label} needs {human_bytes(row.device_bytes)} of "
+                  f"{human_bytes(capacity)} per device{more}")
+
+
+def pipeline_estimate(factory: Callable[[], nn.Module], pipeline: Any, *, precision: str,
+                      micro_batch: int, micro_batches: int, seq_length: int,
+                      vocab_size: int) -> Estimate:
+    """A pipeline's row (parallel/pipeline.py's PipelineParallel) for its fullest process over
+    the pipeline's ranks: the state of the part of the model it holds (the embedding with the
+    first stage, the head with the last), and that part's activations for one sample, measured
+    on the CPU, times the samples its schedule keeps in flight there
+    (pipeline_schedules.in_flight)."""
+    from .pipeline import ModelPart
+    from .pipeline_schedules import in_flight
+    dims, last = pipeline.dims, len(pipeline.split) - 1
+    model = _cpu_model(factory, precision)
+    idx = torch.randint(0, vocab_size, (1, seq_length))  # (1, T)
+    rows = []
+    for r in range(dims.pp):
+        stages = pipeline.stages_of(r * dims.stage_world)
+        part = ModelPart(model, [b for s in stages for b in pipeline.blocks_of(s)],
+                         first=0 in stages, last=last in stages)
+        x = idx if part.first else torch.randn(  # (1, T, C), received from the stage before
+            1, seq_length, model.args.hidden_size, dtype=next(model.parameters()).dtype,
+            requires_grad=True)
+        held = state_bytes([p.shape for p in part.parameters()], Parallelism(), 1, precision)
+        act = micro_batch * in_flight(pipeline.schedule, dims.pp, micro_batches, r) * \
+            _saved_bytes(part, x, idx if part.last else None, precision)
+        rows.append(Estimate(pipeline, False, *held, act, act + sum(held)))
+    return max(rows, key=lambda e: e.device_bytes)
 
 
 def device_capacity(device: torch.device, local_workers: int) -> int:

@@ -33,6 +33,7 @@ from ..data.dataset import IGNORE_INDEX
 from ..dist import DistEnv
 from ..errors import ConfigError
 from .dims import ParallelDims, check_pipeline_parallel
+from .pipeline_schedules import schedule_class
 from .strategies import Parallelism, apply_activation_checkpointing, apply_compile, \
     resolve_parallelism
 
@@ -168,7 +169,7 @@ class Pipeline:
                  micro_batches: int, precision: str, label_smoothing: float,
                  loss_sum: Callable[..., torch.Tensor], activation_checkpointing: bool = False,
                  compile: bool = False):
-        from torch.distributed.pipelining import PipelineStage, schedules
+        from torch.distributed.pipelining import PipelineStage
         dims, self.env = parallelism.dims, env
         if activation_checkpointing:  # block by block, before the blocks are handed out
             apply_activation_checkpointing(model)
@@ -194,8 +195,7 @@ class Pipeline:
                   for p, s in zip(parts, ids)]
         self.loss = _ScaledLoss(loss_sum)
         self.label_smoothing, self.micro_batches = label_smoothing, micro_batches
-        kind = {"1f1b": schedules.Schedule1F1B, "gpipe": schedules.ScheduleGPipe,
-                "interleaved-1f1b": schedules.ScheduleInterleaved1F1B}[parallelism.schedule]
+        kind = schedule_class(parallelism.schedule)
         self.schedule = kind(stages if len(stages) > 1 else stages[0],
                              n_microbatches=micro_batches, loss_fn=self.loss, scale_grads=False)
 

@@ -39,6 +39,7 @@ from .memory import SavedTensorMeter, local_bytes
 from .memory_plan import MARGIN, Choice, Estimate, choose
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
+from .pipeline_schedules import in_flight
 from .strategies import Parallelism, parallelize, resolve_parallelism
 from .tensor import resolve_tensor_parallel
 
@@ -168,9 +169,8 @@ def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
                   asked: bool) -> Simulated:
     """Rank 0 of a pipeline: its stages' part of the model (the embedding and their blocks),
     one micro-batch's saved activations times the micro-batches its schedule keeps in flight
-    (GPipe: all M of a step; 1F1B and interleaved: up to P, the first stage's worst case), the
-    activations it sends on to the next stage in every forward, and its replicas' gradient
-    all-reduce. Built whole on the meta device: no splitting, so no linear shortcut needed."""
+    (pipeline_schedules.in_flight), the activations it sends on to the next stage in every
+    forward, and its replicas' gradient all-reduce. Built whole on the meta device."""
     from .strategies import apply_activation_checkpointing
     dims, stages = pipeline.dims, pipeline.stages_of(0)
     blocks = sum(len(pipeline.blocks_of(s)) for s in stages)
@@ -191,14 +191,14 @@ def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
     named = dict(part.named_parameters())
     state = {"numel": sum(p.numel() for p in named.values()), "root_numel": 0}
     micro = work.accum(dims.dp)
-    in_flight = micro if pipeline.schedule == "gpipe" else min(micro, dims.pp)
+    held = in_flight(pipeline.schedule, dims.pp, micro)
     sends = len(stages) - int(last)  # every stage but the last sends its output on
     sent = _data_parallel_traffic(work, pipeline, state, target.world, micro)
     sent["pp"] = {"send": sends * micro * work.micro_batch * work.seq_length *
                   model.args.hidden_size * _param_bytes(work.precision)}
     params = local_bytes(named.values())
     parts = (params, params, 2 * params + 4 * len(named))
-    activation_bytes = meter.bytes * in_flight
+    activation_bytes = meter.bytes * held
     return Simulated(pipeline, ac, *parts, activation_bytes, activation_bytes + sum(parts),
                      sent=sent, asked=asked, dims=dims.label)
 

@@ -48,9 +48,11 @@ ROW_REQUESTS = {"single": ("single", False, 1), "dp": ("dp", False, 1),
                 "fsdp+ac": ("fsdp", True, 1), "tp": ("fsdp", False, 0),
                 "fsdp+tp2": ("fsdp", False, 2)}
 # Pipeline rows (only when asked for with --rows): P = every device, one row per schedule; each
-# carries `ideal_bubble`, the idle fraction (P - 1) / (V x M + P - 1) of a step of M micro-batches
-# through V stages per process (interleaved: 2)
-PIPELINE_ROWS = {"pp": "1f1b", "pp-gpipe": "gpipe", "pp-interleaved": "interleaved-1f1b"}
+# carries `ideal_bubble`, the idle fraction of a step of M micro-batches with every forward and
+# backward part equally long (parallel/pipeline_schedules.py: (P - 1) / (V x M + P - 1) through
+# V stages per process, interleaved: 2; zero-bubble's a third of it)
+PIPELINE_ROWS = {"pp": "1f1b", "pp-gpipe": "gpipe", "pp-interleaved": "interleaved-1f1b",
+                 "pp-zb": "zero-bubble"}
 DEFAULT_ROWS = (*ROW_REQUESTS, PLAIN)
 ROWS = (*ROW_REQUESTS, *PIPELINE_ROWS, PLAIN)
 
@@ -62,7 +64,7 @@ class Variant:
     overrides: tuple[str, ...] = ()
     plain: bool = False
     cores: Optional[tuple[int, ...]] = None  # CPU affinity for a one-worker CPU run
-    ideal_bubble: Optional[float] = None  # a pipeline row's (P - 1) / (M + P - 1)
+    ideal_bubble: Optional[float] = None  # a pipeline row's, e.g. 1f1b's (P - 1) / (M + P - 1)
 
 
 @dataclass
@@ -138,16 +140,15 @@ def choose_variants(cfg: TrainConfig, devices: list[torch.device], rows: Sequenc
 def _pipeline_variant(cfg: TrainConfig, row: str, n: int) -> Variant:
     """A pipeline of every device with the row's schedule (a ConfigError when the config's
     model or batch cannot be split so)."""
-    from ..config_checks import PIPELINE_SCHEDULES
+    from ..parallel.pipeline_schedules import ideal_bubble
     from ..runplan import batch_plan
     schedule = PIPELINE_ROWS[row]
     over = (f"trainer.pipeline_parallel={n}", f"trainer.pipeline_schedule={schedule}",
             "trainer.strategy=auto")
     tr = cfg.with_overrides(list(over)).trainer
     micro, _ = batch_plan(tr.batch_size, 1, tr.global_batch_size)  # one process per stage
-    chunks = PIPELINE_SCHEDULES[schedule] * micro
     return Variant(row.replace("pp", f"pp{n}", 1), n, over,
-                   ideal_bubble=(n - 1) / (chunks + n - 1))
+                   ideal_bubble=ideal_bubble(schedule, n, micro))
 
 
 def _one_device(devices: list[torch.device]) -> str:
@@ -333,8 +334,8 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
                 f"{report['scaling']['efficiency']:.3f}"
     for r in table:
         if r["ideal_bubble"] is not None:
-            text += (f"\n{r['label']}: ideal pipeline bubble (P - 1) / (V x M + P - 1) = "
-                     f"{100 * r['ideal_bubble']:.0f}% of a step")
+            text += (f"\n{r['label']}: ideal pipeline bubble (equal forward and backward parts) "
+                     f"= {100 * r['ideal_bubble']:.0f}% of a step")
     for s in skipped:
         text += f"\n{s['label']}: skipped: {s['reason']}"
     params = next((r["params"] for rs in results.values() for r in rs if r.get("params")), 0)

@@ -5,9 +5,12 @@ that steer them; checks that the master address resolves and its port is free (n
 reachable (other nodes); then runs a short all-reduce over the local devices (gloo on CPU, nccl on
 GPUs), across nodes with --nnodes/--node-rank/--master-addr, and reports bandwidth the way
 nccl-tests does: algbw = bytes / time, busbw = algbw * 2(n-1)/n, the figure to compare with the
-link speed whatever the number of ranks. When nccl fails or times out where gloo works, the
-classic cause is peer-to-peer transport (P2P over PCIe/NVLink misbehaving, e.g. under some VMs or
-IOMMU settings), so it says so and runs nccl again with NCCL_P2P_DISABLE=1.
+link speed whatever the number of ranks. Then the same devices exchange tensors point to point,
+as pipeline stages do (each rank sends to the next and receives from the one before, then back):
+a transport can pass an all-reduce and still hang on send/recv. When nccl fails or times out
+(--timeout-s) where gloo works, the classic cause is peer-to-peer transport (P2P over
+PCIe/NVLink misbehaving, e.g. under some VMs or IOMMU settings), so it says so and runs nccl
+again with NCCL_P2P_DISABLE=1.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ..launch import environment, nodes
 ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "TORCH_DISTRIBUTED", "TORCH_NCCL", "TORCHELASTIC_",
                 "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "SLURM_JOB_ID", "SLURM_NODELIST",
                 "SLURM_NTASKS", "SLURM_PROCID")
+ALL_REDUCE, SEND_RECV = "all-reduce", "send/recv"  # the doctor's two timed tables
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -67,31 +71,44 @@ def run(ns: argparse.Namespace) -> int:
         print("  one device and one node: nothing to all-reduce (try --devices cpu:2)")
         return 0 if ok else 1
     sizes = _sizes(int(ns.max_mb * 2**20))
+    tables = _with_nccl_fallback(ns, devices, backend, sizes)
+    if tables is None:
+        return 1
+    print(format_table(tables[ALL_REDUCE], world))
+    section(f"point-to-point (pipeline stages): {world} rank(s), {backend}")
+    print(format_p2p_table(tables[SEND_RECV], world))
+    return 0 if ok else 1
+
+
+def _with_nccl_fallback(ns: argparse.Namespace, devices: Sequence[torch.device], backend: str,
+                        sizes: list[int]) -> Optional[dict[str, list[dict]]]:
+    """`collectives_check`'s tables; when it fails (or outlives --timeout-s) on nccl, gloo on
+    the same devices tells the network from NCCL, and nccl runs again with NCCL_P2P_DISABLE=1.
+    None: failed, and the report says what to try next."""
     try:
-        table = allreduce_check(ns, devices, backend, sizes)
+        return collectives_check(ns, devices, backend, sizes)
     except ParatrainError as e:
         print(f"  FAILED: {e}")
         if backend != "nccl":
-            return 1
-        print("  trying gloo on the same devices ...")
-        try:
-            allreduce_check(ns, devices, "gloo", sizes[:3])
-        except ParatrainError as e2:
-            print(f"  gloo FAILED too: {e2}\n  the problem is the network or the rendezvous, "
-                  "not NCCL: check master address, port and firewall")
-            return 1
-        print("  nccl fails where gloo works: the usual cause is NCCL's peer-to-peer transport."
-              "\n  suggestion: export NCCL_P2P_DISABLE=1 (re-running nccl with it now)")
-        os.environ["NCCL_P2P_DISABLE"] = "1"  # the workers inherit it
-        try:
-            table = allreduce_check(ns, devices, "nccl", sizes)
-        except ParatrainError as e3:
-            print(f"  nccl with NCCL_P2P_DISABLE=1 FAILED as well: {e3}\n  next: run with "
-                  "NCCL_DEBUG=INFO and look for the transport it picks")
-            return 1
-        print("  nccl works with NCCL_P2P_DISABLE=1: set it for training")
-    print(format_table(table, world))
-    return 0 if ok else 1
+            return None
+    print("  trying gloo on the same devices ...")
+    try:
+        collectives_check(ns, devices, "gloo", sizes[:3])
+    except ParatrainError as e2:
+        print(f"  gloo FAILED too: {e2}\n  the problem is the network or the rendezvous, "
+              "not NCCL: check master address, port and firewall")
+        return None
+    print("  nccl fails where gloo works: the usual cause is NCCL's peer-to-peer transport."
+          "\n  suggestion: export NCCL_P2P_DISABLE=1 (re-running nccl with it now)")
+    os.environ["NCCL_P2P_DISABLE"] = "1"  # the workers inherit it
+    try:
+        tables = collectives_check(ns, devices, "nccl", sizes)
+    except ParatrainError as e3:
+        print(f"  nccl with NCCL_P2P_DISABLE=1 FAILED as well: {e3}\n  next: run with "
+              "NCCL_DEBUG=INFO and look for the transport it picks")
+        return None
+    print("  nccl works with NCCL_P2P_DISABLE=1: set it for training")
+    return tables
 
 
 # ---- checks ------------------------------------------------------------------------------------
@@ -123,26 +140,30 @@ def check_master(addr: str, port: int, node_rank: int, nnodes: int) -> bool:
     return True
 
 
-def allreduce_check(ns: argparse.Namespace, devices: Sequence[torch.device], backend: str,
-                    sizes: Sequence[int]) -> list[dict]:
-    """All-reduce over local devices (and nodes) in worker processes; the rows of the table."""
+def collectives_check(ns: argparse.Namespace, devices: Sequence[torch.device], backend: str,
+                      sizes: Sequence[int]) -> dict[str, list[dict]]:
+    """In worker processes over the local devices (and nodes): all-reduces, then what a
+    pipeline does between its stages, every rank sending to the next one and receiving from
+    the one before (activations), then the other way round (their gradients). The rows of each
+    table. A transport that hangs fails after --timeout-s (the process group's timeout)."""
     with nodes.join_nodes(ns.master_addr, ns.master_port, ns.nnodes, ns.node_rank,
                            len(devices), ns.timeout_s,
                            config={"doctor": {"backend": backend, "sizes": list(sizes)}}) as g:
-        out = g.launch(allreduce_worker, ([str(x) for x in devices], backend, list(sizes),
-                                          ns.timeout_s))
+        out = g.launch(doctor_worker, ([str(x) for x in devices], backend, list(sizes),
+                                       ns.timeout_s))
     return out[min(out)]
 
 
-def allreduce_worker(devices: list[str], backend: str, sizes: list[int],
-                     timeout_s: float) -> list[dict]:
-    """One rank: time float32 sum all-reduces; each row is the slowest rank's mean time."""
+def doctor_worker(devices: list[str], backend: str, sizes: list[int], timeout_s: float
+                  ) -> dict[str, list[dict]]:
+    """One rank: time float32 sum all-reduces, then point-to-point exchanges in a ring, both
+    ways; each row is the slowest rank's mean time."""
     from torch.distributed.elastic.multiprocessing.errors import record
-    return record(_allreduce)(devices, backend, sizes, timeout_s)
+    return record(_timed_rows)(devices, backend, sizes, timeout_s)
 
 
-def _allreduce(devices: list[str], backend: str, sizes: list[int], timeout_s: float
-               ) -> list[dict]:
+def _timed_rows(devices: list[str], backend: str, sizes: list[int], timeout_s: float
+                ) -> dict[str, list[dict]]:
     import torch.distributed as dist
     launcher = environment.detect_launcher()
     assert launcher is not None, "runs under the elastic agent"
@@ -150,25 +171,41 @@ def _allreduce(devices: list[str], backend: str, sizes: list[int], timeout_s: fl
     if env.device.type == "cpu":
         torch.set_num_threads(max(1, environment.cpu_count() // env.local_world_size))
     env.init()
-    rows = []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    tables: dict[str, list[dict]] = {ALL_REDUCE: [], SEND_RECV: []}
     try:
-        for nbytes in sizes:
+        for op, nbytes in ((op, n) for op in tables for n in sizes):
             x = torch.ones(nbytes // 4, dtype=torch.float32, device=env.device)
+            y = torch.empty_like(x)  # what the neighbour sends
             iters = max(3, min(50, int(2**24 // max(nbytes, 1))))
             for _ in range(2):  # warm-up: connections, buffers
-                dist.all_reduce(x)
+                _once(op, x, y, nxt, prev)
             _sync(env.device)
             t0 = time.perf_counter()
             for _ in range(iters):
-                dist.all_reduce(x)
+                _once(op, x, y, nxt, prev)
             _sync(env.device)
             dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64,
                               device=env.collective_device)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            rows.append({"bytes": nbytes, "count": nbytes // 4, "time_s": float(dt)})
-        return rows
+            tables[op].append({"bytes": nbytes, "count": nbytes // 4, "time_s": float(dt)})
+        return tables
     finally:
         env.teardown()
+
+
+def _once(op: str, x: torch.Tensor, y: torch.Tensor, nxt: int, prev: int) -> None:
+    """One all-reduce of x; or x sent to the next rank while y is received from the one before
+    (a stage's activations), then the other way round (their gradients)."""
+    import torch.distributed as dist
+    if op == ALL_REDUCE:
+        dist.all_reduce(x)
+        return
+    for to, frm in ((nxt, prev), (prev, nxt)):
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to),
+                                            dist.P2POp(dist.irecv, y, frm)]):
+            work.wait()
 
 
 def _sync(device: torch.device) -> None:
@@ -190,6 +227,20 @@ def format_table(rows: list[dict], world: int) -> str:
     lines.append(f"  # avg bus bandwidth: {sum(busbws) / len(busbws):.3f} GB/s; "
                  f"peak {max(busbws):.3f} GB/s at {rows[busbws.index(max(busbws))]['bytes']} B "
                  f"(busbw = algbw x 2(n-1)/n, n={world})")
+    return "\n".join(lines)
+
+
+def format_p2p_table(rows: list[dict], world: int) -> str:
+    """Per exchange (one send and one receive per rank each way): time, and the bandwidth of one
+    link in one direction (bytes x 2 / time: a rank sends the tensor twice)."""
+    lines = [f"  {'size(B)':>12} {'time(us)':>10} {'link(GB/s)':>11}"]
+    for r in rows:
+        lines.append(f"  {r['bytes']:>12} {r['time_s'] * 1e6:>10.1f} "
+                     f"{2 * r['bytes'] / r['time_s'] / 1e9:>11.3f}")
+    peak = max(rows, key=lambda r: r["bytes"] / r["time_s"])
+    lines.append(f"  # send/recv between neighbours of a ring of {world}: peak "
+                 f"{2 * peak['bytes'] / peak['time_s'] / 1e9:.3f} GB/s per link and direction "
+                 f"at {peak['bytes']} B")
     return "\n".join(lines)
 
 
