@@ -18,10 +18,11 @@ from paratrain.runplan import pipeline_blocks
 CPU = torch.device("cpu")
 
 
-def resolve(pp=2, world=4, schedule="1f1b", split=None, layers=4, requested="auto"):
+def resolve(pp=2, world=4, schedule="1f1b", split=None, layers=4, requested="auto", tp=1,
+            local=None):
     return resolve_pipeline_parallel(requested, pp, schedule=schedule, split=split,
-                                     num_layers=layers, world_size=world, local_world_size=world,
-                                     device=CPU)
+                                     num_layers=layers, world_size=world,
+                                     local_world_size=local or world, device=CPU, tp=tp)
 
 
 def test_the_pipeline_is_the_outermost_dimension():
@@ -46,6 +47,20 @@ def test_pipeline_parallel_resolves_stages_and_data_parallelism():
     assert inter.split == (2, 2, 2, 2)
     assert inter.stages_of(0) == [0, 2] and inter.stages_of(1) == [1, 3]
     assert inter.blocks_of(2) == [4, 5]
+
+
+@pytest.mark.parametrize("requested, tp, world, local, name, dims", [
+    ("fsdp", 1, 4, 4, "fsdp+pp", ParallelDims(dp_shard=2, pp=2)),
+    # 4 nodes of 2: a stage is 2 nodes, sharded within each, replicated across
+    ("hsdp", 1, 8, 2, "hsdp+pp", ParallelDims(dp_replicate=2, dp_shard=2, pp=2)),
+    ("auto", 2, 4, 4, "tp+pp", ParallelDims(tp=2, pp=2)),
+    ("fsdp", 2, 8, 8, "fsdp+tp+pp", ParallelDims(dp_shard=2, tp=2, pp=2)),
+])
+def test_a_stage_is_parallelized_as_a_world_of_its_processes(requested, tp, world, local, name,
+                                                             dims):
+    p, why = resolve(pp=2, world=world, local=local, requested=requested, tp=tp)
+    assert p.name == name and p.dims == dims and "pipeline of 2 stages" in why
+    assert p.stages_of(world - 1) == [1]  # the pipeline stays outermost
 
 
 def test_blocks_are_split_evenly_or_as_given():
@@ -73,9 +88,7 @@ def test_a_pipeline_that_cannot_be_built_is_one_line(call, message):
     (["trainer.pipeline_parallel=2", "trainer.pipeline_schedule=zigzag"],
      r"pipeline_schedule='zigzag' is not one of: 1f1b, gpipe, interleaved-1f1b"),
     (["trainer.pipeline_split=[1,1]"], r"set trainer.pipeline_parallel > 1 too"),
-    (["trainer.pipeline_parallel=2", "trainer.strategy=fsdp"], r"not fsdp"),
-    (["trainer.pipeline_parallel=2", "trainer.strategy=dp"], r"not dp"),
-    (["trainer.pipeline_parallel=2", "trainer.tensor_parallel=2"], r"not combined with"),
+    (["trainer.pipeline_parallel=2", "trainer.strategy=dp"], r"ddp, fsdp, hsdp or auto .* not dp"),
     (["trainer.pipeline_parallel=2", "model.arch=gpt"], r"model.tie_embeddings=false"),
     (["trainer.pipeline_parallel=2", "data.format=padded"], r"cannot split data.format=padded"),
     (["trainer.pipeline_parallel=2", "data.drop_last=false"], r"set data.drop_last=true"),
@@ -108,10 +121,10 @@ def test_stages_in_a_row_are_the_model_under_its_names(arch, checkpointing):
                                        "model.num_layers=3", "model.tie_embeddings=false"])
     torch.manual_seed(0)
     model = build_model(resolve_model_config(cfg.model, vocab_size=96, seq_length=16)).eval()
-    if checkpointing:  # blocks wrapped before they are handed out, as Pipeline does
-        apply_activation_checkpointing(model)
     parts = [ModelPart(model, [0, 1], first=True, last=False),
              ModelPart(model, [2], first=False, last=True)]
+    for part in parts if checkpointing else ():  # a part's blocks wrapped, as Pipeline does
+        apply_activation_checkpointing(part)
     idx = torch.randint(0, 96, (2, 16))  # (B, T)
     x = idx
     for part in parts:
@@ -140,6 +153,21 @@ def test_the_plan_counts_a_stage_and_the_micro_batches_in_flight():
     assert one_f_one_b.asked and 0.45 < one_f_one_b.params_bytes / ddp.params_bytes < 0.55
     assert gpipe["ddp+pp2"].activation_bytes == 2 * one_f_one_b.activation_bytes
     assert one_f_one_b.sent["pp"]["send"] == 4 * 2 * 256 * 64 * 4  # M x (B, T, C) fp32
+
+
+@pytest.mark.parametrize("overrides, label, share", [
+    (["trainer.strategy=fsdp"], "fsdp+pp2", 1 / 4),
+    (["trainer.tensor_parallel=2"], "tp+pp2", 1 / 4),
+    (["trainer.strategy=fsdp", "trainer.tensor_parallel=2", "plan.devices_per_node=8"],
+     "fsdp+tp+pp2", 1 / 8),
+])
+def test_the_plan_counts_a_stage_sharded_or_split(overrides, label, share):
+    """P=2 x FSDP 2 or x TP 2 on 4 devices, or all three on 8: rank 0 holds half the blocks,
+    halved again by FSDP's shards and TP's slices (the norms' gains stay whole under TP: a few
+    hundred bytes), as the run parallelizes its stage on the fake world's mesh."""
+    rows = _plan_rows(*overrides)
+    row, ddp = rows[label], rows["ddp"]
+    assert row.asked and abs(row.params_bytes / ddp.params_bytes / share - 1) < 0.04, row
 
 
 def test_bench_has_a_pipeline_row_per_schedule_with_its_ideal_bubble():
