@@ -75,6 +75,8 @@ def test_blocks_are_split_evenly_or_as_given():
     (lambda: pipeline_split(4, 2, "1f1b", [2, 1]), r"adds up to 3 blocks, but the model has 4"),
     (lambda: pipeline_split(4, 2, "1f1b", [1, 1, 2]), r"has 3 entries; the pipeline has 2"),
     (lambda: resolve(pp=2, world=3), r"pipeline_parallel=2 does not divide the world of 3 "),
+    # a stage of 2 processes cannot hold a tensor-parallel group of 4
+    (lambda: resolve(pp=2, world=4, tp=4), r"tensor_parallel=4 is more than the 2 process"),
     (lambda: check_schedule(resolve(pp=2, world=2, schedule="interleaved-1f1b", layers=8)[0], 5),
      r"runs the 5 micro-batches of a step in rounds of 2"),
 ])
