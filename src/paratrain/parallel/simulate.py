@@ -178,9 +178,9 @@ def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
     idx = torch.zeros(work.micro_batch, work.seq_length, dtype=torch.long, device=META)
     with fake_world(target.world), fused_attention():
         mesh = dims.build_mesh(META.type)
-        held = ModelPart(_model(work, blocks), range(blocks), first=True, last=last)
-        pipeline.parallelize_part(held, _env(target), mesh, precision=work.precision)
-        named = dict(held.named_parameters())
+        run_part = ModelPart(_model(work, blocks), range(blocks), first=True, last=last)
+        pipeline.parallelize_part(run_part, _env(target), mesh, precision=work.precision)
+        named = dict(run_part.named_parameters())  # as the run holds them
         part = ModelPart(_model(work, blocks, compute=True), range(blocks), first=True, last=last)
         pipeline.data.split(part, mesh)  # tensor parallelism: the stream split by sequence
         if ac:
