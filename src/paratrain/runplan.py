@@ -68,7 +68,9 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
         parallelism, why = resolve_pipeline_parallel(
             tr.strategy, tr.pipeline_parallel, schedule=tr.pipeline_schedule,
             split=tr.pipeline_split, num_layers=pipeline_blocks(task, tr.pipeline_parallel),
-            world_size=world_size, local_world_size=local_world_size, device=devices[0])
+            world_size=world_size, local_world_size=local_world_size, device=devices[0],
+            tp=tr.tensor_parallel, reshard_after_forward=tr.reshard_after_forward,
+            shard_group_size=tr.shard_group_size)
     elif tr.tensor_parallel > 1:
         parallelism, why = resolve_tensor_parallel(
             tr.strategy, tr.tensor_parallel, world_size=world_size,
@@ -116,6 +118,7 @@ def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.
     if tr.strategy != "auto" or world_size == 1 or tr.cpu_offload or probe is None \
             or tr.tensor_parallel > 1 or tr.pipeline_parallel > 1:
         return None  # auto with tensor parallelism is fsdp (tensor.py), with a pipeline ddp
+        # (fsdp with both)
     rows = estimate(probe.build_model, world=world_size, precision=tr.precision,
                     micro_batch=tr.batch_size, seq_length=probe.seq_length,
                     vocab_size=probe.vocab_size, reshard_after_forward=tr.reshard_after_forward,

@@ -1,9 +1,9 @@
 """Pipeline parallelism with real gloo workers: P=2 on 2 processes (1f1b, gpipe, interleaved-1f1b,
-zero-bubble) against one process, P=2 x DDP 2 on 4 processes, and snapshots moving between
-pipeline and data-parallel layouts. Every run is a cached reference run (BASE: 16 steps of 8
-sequences, a snapshot every 4 steps, sample ids recorded) of the tiny Llama with 4 blocks, 2
-sequences per micro-batch: the pipeline's micro-batches are the 4 accumulation micro-batches of a
-step."""
+zero-bubble) against one process; P=2 x DDP 2, x FSDP 2 and x TP 2 on 4 processes; snapshots moving
+between pipeline and data-parallel layouts. Every run is a cached reference run (BASE: 16 steps
+of 8 sequences, a snapshot every 4 steps, sample ids recorded) of the tiny Llama with 4 blocks,
+2 sequences per micro-batch: the pipeline's micro-batches are the accumulation micro-batches of
+a step (4, or 2 per data-parallel group)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ L4 = {"model.num_layers": 4, "trainer.batch_size": 2}
 ONE = {**L4, "trainer.devices": "cpu:1"}
 PP2 = {**L4, "trainer.pipeline_parallel": 2}
 DDP2 = {**L4, "trainer.strategy": "ddp"}
+PP2_DDP2 = {**PP2, "trainer.devices": "cpu:4"}
+PP2_FSDP2 = {**PP2_DDP2, "trainer.strategy": "fsdp"}
+PP2_TP2 = {**PP2_DDP2, "trainer.tensor_parallel": 2}
 
 
 def _ref(request, **extra):
@@ -52,23 +55,35 @@ def test_two_stages_per_process_is_one_process(request, schedule):
     assert_same_run(pp, one)
 
 
-def test_pp2_x_ddp2_on_four_processes_holds_half_the_model(request):
-    one = _ref(request, **ONE)
-    pp_ddp = _ref(request, **PP2, **{"trainer.devices": "cpu:4"})
-    summary = read_summary(pp_ddp)
-    assert summary["strategy"] == "ddp+pp" and summary["grad_accum"] == 2
-    assert_same_run(pp_ddp, one)
+@pytest.mark.parametrize("layout, strategy, dims, share", [
+    (PP2_DDP2, "ddp+pp", {"dp_replicate": 2}, 0.5),
+    (PP2_FSDP2, "fsdp+pp", {"dp_shard": 2}, 0.25),
+    (PP2_TP2, "tp+pp", {"tp": 2}, 0.25),
+], ids=["ddp2", "fsdp2", "tp2"])
+def test_pp2_x_two_on_four_processes_is_one_process(request, layout, strategy, dims, share):
+    """A stage replicated (DDP), sharded (FSDP2, its gradients reduced by the schedule once per
+    step) or split (TP, the sequence-split stream crossing stages as a DTensor): the same run as
+    one process, and each rank holds half the blocks, or a half of that."""
+    one, run = _ref(request, **ONE), _ref(request, **layout)
+    summary = read_summary(run)
+    assert summary["strategy"] == strategy
+    assert summary["parallel_dims"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1,
+                                        **dims}
+    assert summary["grad_accum"] == (4 if "tp" in dims else 2)  # micro-batches per data group
+    assert_same_run(run, one)  # losses, grad norms, samples, weights: 1e-5
     full = read_summary(one)["memory"][0]["params_bytes"]
-    for entry in summary["memory"]:  # half the blocks; the embedding and the head are alike
-        assert abs(entry["params_bytes"] / full - 0.5) < 0.01, entry
+    for entry in summary["memory"]:  # the embedding and the head are alike in size
+        assert abs(entry["params_bytes"] / full - share) < 0.01, entry
 
 
-def test_the_simulation_holds_what_the_pipeline_run_held(request):
-    """`paratrain plan` of the P=2 x DDP 2 run's config at its world (1 node x 4), on the meta
-    device: rank 0's parameter, gradient and optimizer bytes are what the real run measured."""
+@pytest.mark.parametrize("layout", [PP2_DDP2, PP2_FSDP2, PP2_TP2], ids=["ddp2", "fsdp2", "tp2"])
+def test_the_simulation_holds_what_the_pipeline_run_held(request, layout):
+    """`paratrain plan` of a P=2 x 2 run's config at its world (1 node x 4), on the meta
+    device: rank 0's parameter, gradient and optimizer bytes are what the real run measured
+    (its stage sharded by FSDP or split by TP as the run did it)."""
     from paratrain import TrainConfig
     from paratrain.parallel.simulate import plan_at_scale
-    run = _ref(request, **PP2, **{"trainer.devices": "cpu:4"})
+    run = _ref(request, **layout)
     cfg = TrainConfig.from_yaml(run / "config.yaml", ["plan.device_memory_gb=1"])
     [row] = [r for r in plan_at_scale(cfg)[0] if r.asked]
     real = read_summary(run)["memory"][0]
@@ -76,17 +91,19 @@ def test_the_simulation_holds_what_the_pipeline_run_held(request):
         assert getattr(row, key) == real[key], key
 
 
-@pytest.mark.parametrize("layout", [DDP2, ONE], ids=["ddp2", "one"])
-def test_pp2_snapshot_resumes_under_another_layout(request, tmp_path, layout):
-    """Steps 9-16 continued from the P=2 run's step-8 snapshot by DDP on 2 processes or by one
-    process are the P=2 run's own steps 9-16."""
-    source = _ref(request, **PP2)
+@pytest.mark.parametrize("source, layout", [(PP2, DDP2), (PP2, ONE), (PP2_FSDP2, ONE)],
+                         ids=["pp2-to-ddp2", "pp2-to-one", "pp2xfsdp2-to-one"])
+def test_pp2_snapshot_resumes_under_another_layout(request, tmp_path, source, layout):
+    """Steps 9-16 continued from a P=2 run's step-8 snapshot (its stages whole, or sharded by
+    FSDP: DCP reshards) by DDP on 2 processes or by one process are the P=2 run's own steps."""
+    source = _ref(request, **source)
     assert_same_run(resume_under(request, tmp_path, source, layout), source, first_step=9)
 
 
-def test_ddp_snapshot_resumes_under_pp2(request, tmp_path):
+@pytest.mark.parametrize("layout", [PP2, PP2_FSDP2], ids=["pp2", "pp2xfsdp2"])
+def test_ddp_snapshot_resumes_under_pp2(request, tmp_path, layout):
     source = _ref(request, **DDP2)
-    assert_same_run(resume_under(request, tmp_path, source, PP2), source, first_step=9)
+    assert_same_run(resume_under(request, tmp_path, source, layout), source, first_step=9)
 
 
 def test_a_pipeline_that_does_not_divide_the_world_exits_2(request, tmp_path):

@@ -18,10 +18,11 @@ from paratrain.runplan import pipeline_blocks
 CPU = torch.device("cpu")
 
 
-def resolve(pp=2, world=4, schedule="1f1b", split=None, layers=4, requested="auto"):
+def resolve(pp=2, world=4, schedule="1f1b", split=None, layers=4, requested="auto", tp=1,
+            local=None):
     return resolve_pipeline_parallel(requested, pp, schedule=schedule, split=split,
-                                     num_layers=layers, world_size=world, local_world_size=world,
-                                     device=CPU)
+                                     num_layers=layers, world_size=world,
+                                     local_world_size=local or world, device=CPU, tp=tp)
 
 
 def test_the_pipeline_is_the_outermost_dimension():
@@ -48,6 +49,20 @@ def test_pipeline_parallel_resolves_stages_and_data_parallelism():
     assert inter.blocks_of(2) == [4, 5]
 
 
+@pytest.mark.parametrize("requested, tp, world, local, name, dims", [
+    ("fsdp", 1, 4, 4, "fsdp+pp", ParallelDims(dp_shard=2, pp=2)),
+    # 4 nodes of 2: a stage is 2 nodes, sharded within each, replicated across
+    ("hsdp", 1, 8, 2, "hsdp+pp", ParallelDims(dp_replicate=2, dp_shard=2, pp=2)),
+    ("auto", 2, 4, 4, "tp+pp", ParallelDims(tp=2, pp=2)),
+    ("fsdp", 2, 8, 8, "fsdp+tp+pp", ParallelDims(dp_shard=2, tp=2, pp=2)),
+])
+def test_a_stage_is_parallelized_as_a_world_of_its_processes(requested, tp, world, local, name,
+                                                             dims):
+    p, why = resolve(pp=2, world=world, local=local, requested=requested, tp=tp)
+    assert p.name == name and p.dims == dims and "pipeline of 2 stages" in why
+    assert p.stages_of(world - 1) == [1]  # the pipeline stays outermost
+
+
 def test_blocks_are_split_evenly_or_as_given():
     assert pipeline_split(5, 2, "1f1b") == (3, 2)
     assert pipeline_split(4, 2, "gpipe", [3, 1]) == (3, 1)
@@ -60,6 +75,8 @@ def test_blocks_are_split_evenly_or_as_given():
     (lambda: pipeline_split(4, 2, "1f1b", [2, 1]), r"adds up to 3 blocks, but the model has 4"),
     (lambda: pipeline_split(4, 2, "1f1b", [1, 1, 2]), r"has 3 entries; the pipeline has 2"),
     (lambda: resolve(pp=2, world=3), r"pipeline_parallel=2 does not divide the world of 3 "),
+    # a stage of 2 processes cannot hold a tensor-parallel group of 4
+    (lambda: resolve(pp=2, world=4, tp=4), r"tensor_parallel=4 is more than the 2 process"),
     (lambda: check_schedule(resolve(pp=2, world=2, schedule="interleaved-1f1b", layers=8)[0], 5),
      r"runs the 5 micro-batches of a step in rounds of 2"),
 ])
@@ -73,9 +90,7 @@ def test_a_pipeline_that_cannot_be_built_is_one_line(call, message):
     (["trainer.pipeline_parallel=2", "trainer.pipeline_schedule=zigzag"],
      r"pipeline_schedule='zigzag' is not one of: 1f1b, gpipe, interleaved-1f1b"),
     (["trainer.pipeline_split=[1,1]"], r"set trainer.pipeline_parallel > 1 too"),
-    (["trainer.pipeline_parallel=2", "trainer.strategy=fsdp"], r"not fsdp"),
-    (["trainer.pipeline_parallel=2", "trainer.strategy=dp"], r"not dp"),
-    (["trainer.pipeline_parallel=2", "trainer.tensor_parallel=2"], r"not combined with"),
+    (["trainer.pipeline_parallel=2", "trainer.strategy=dp"], r"ddp, fsdp, hsdp or auto .* not dp"),
     (["trainer.pipeline_parallel=2", "model.arch=gpt"], r"model.tie_embeddings=false"),
     (["trainer.pipeline_parallel=2", "data.format=padded"], r"cannot split data.format=padded"),
     (["trainer.pipeline_parallel=2", "data.drop_last=false"], r"set data.drop_last=true"),
@@ -108,10 +123,10 @@ def test_stages_in_a_row_are_the_model_under_its_names(arch, checkpointing):
                                        "model.num_layers=3", "model.tie_embeddings=false"])
     torch.manual_seed(0)
     model = build_model(resolve_model_config(cfg.model, vocab_size=96, seq_length=16)).eval()
-    if checkpointing:  # blocks wrapped before they are handed out, as Pipeline does
-        apply_activation_checkpointing(model)
     parts = [ModelPart(model, [0, 1], first=True, last=False),
              ModelPart(model, [2], first=False, last=True)]
+    for part in parts if checkpointing else ():  # a part's blocks wrapped, as Pipeline does
+        apply_activation_checkpointing(part)
     idx = torch.randint(0, 96, (2, 16))  # (B, T)
     x = idx
     for part in parts:
@@ -140,6 +155,18 @@ def test_the_plan_counts_a_stage_and_the_micro_batches_in_flight():
     assert one_f_one_b.asked and 0.45 < one_f_one_b.params_bytes / ddp.params_bytes < 0.55
     assert gpipe["ddp+pp2"].activation_bytes == 2 * one_f_one_b.activation_bytes
     assert one_f_one_b.sent["pp"]["send"] == 4 * 2 * 256 * 64 * 4  # M x (B, T, C) fp32
+
+
+def test_the_plan_counts_a_stage_sharded_and_split():
+    """P=2 x FSDP 2 x TP 2 on 8 devices: rank 0 holds half the blocks, a quarter of that by
+    FSDP's shards and TP's slices (the norms' gains stay whole under TP: a few hundred bytes),
+    its stage parallelized on the fake world's mesh as the run does it. (Each of FSDP and TP
+    alone is checked against a real run's bytes: tests/distributed/test_pipeline.py.)"""
+    rows = _plan_rows("trainer.strategy=fsdp", "trainer.tensor_parallel=2",
+                      "plan.devices_per_node=8")
+    row, ddp = rows["fsdp+tp+pp2"], rows["ddp"]
+    assert row.asked and row.dims == "pp=2 x dp_shard=2 x tp=2"
+    assert abs(row.params_bytes / ddp.params_bytes * 8 - 1) < 0.04, row
 
 
 def test_bench_has_a_pipeline_row_per_schedule_with_its_ideal_bubble():

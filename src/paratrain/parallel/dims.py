@@ -92,11 +92,10 @@ class ParallelDims:
         it once, and every parallel piece slices this one mesh (FSDP requires the data and tensor
         meshes to share a root)."""
         from torch.distributed.device_mesh import init_device_mesh
-        if self.pp > 1:  # the stage's mesh is sliced from it by name, as without
-            return init_device_mesh(mesh_device_type(device_type), (self.pp, *self.shape),
-                                    mesh_dim_names=("pp", *MESH_NAMES))
-        mesh = init_device_mesh(mesh_device_type(device_type), self.shape,
-                                mesh_dim_names=MESH_NAMES)
+        names, shape = MESH_NAMES, self.shape
+        if self.pp > 1:  # a pipeline's stages slice their dimensions from it by name, as without
+            names, shape = ("pp", *names), (self.pp, *shape)
+        mesh = init_device_mesh(mesh_device_type(device_type), shape, mesh_dim_names=names)
         if self.tp > 1:
             # A value partial over both (a gradient norm under FSDP x TP) is then reduced in one
             # all-reduce instead of one per dimension: DTensor uses a flattened mesh it finds.

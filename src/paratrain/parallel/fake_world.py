@@ -25,3 +25,13 @@ def fake_world(world: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches its sharding decisions by mesh layout, keeping this world's meshes, whose
+    groups die with it: a later world's equal mesh (built after other groups) must not find
+    them."""
+    from torch.distributed.tensor import debug
+    debug._clear_python_sharding_prop_cache()
+    debug._clear_fast_path_sharding_prop_cache()

@@ -1,5 +1,6 @@
 """Pipeline parallelism: consecutive blocks of the model on different processes, kept busy by a
-schedule of micro-batches (torch.distributed.pipelining), with data parallelism over the rest.
+schedule of micro-batches (torch.distributed.pipelining), with data and tensor parallelism over
+the rest.
 
 `trainer.pipeline_parallel=P` cuts a built-in Llama / GPT at block boundaries into stages (the
 embedding on the first, the final norm, the output projection and the loss on the last; how many
@@ -14,14 +15,23 @@ function returns sum(token losses) x dp / (tokens in the global batch), the loop
 gradients are those of one process (torch's own 1/M scaling is off). Loss sums live on the last
 stage; the loop's all-reduce of (sum, count) brings them to rank 0's log (dims.counts).
 
+Inside a stage, the stage's processes parallelize its part as they would a whole model
+(`parallelize`: TP -> activation checkpointing -> compile -> FSDP2), on the stage's slice of the
+run's one mesh (pp x dp_replicate x dp_shard x tp), as torchtitan composes PP x FSDP x TP. An
+FSDP2 part (fsdp, hsdp, tensor parallelism) is reduced by the schedule itself, once per step
+after its last micro-batch's backward (PipelineStage.perform_reduce_grad); tensor parallelism's
+sequence-split stream crosses between stages as a DTensor (each TP rank sends its slice).
+
 Each rank keeps its part of the model as a `ModelPart` under the whole model's names
 (`layers.5.attention.wq.weight`), so the optimizer, snapshots (DCP) and the final model/ see a
-piece of the one model: a snapshot moves between pipeline and data-parallel layouts as is.
+piece of the one model, sharded or split like any other: a snapshot moves between pipeline and
+data-parallel layouts as is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
@@ -34,15 +44,16 @@ from ..dist import DistEnv
 from ..errors import ConfigError
 from .dims import ParallelDims, check_pipeline_parallel
 from .pipeline_schedules import schedule_class
-from .strategies import Parallelism, apply_activation_checkpointing, apply_compile, \
-    resolve_parallelism
+from .strategies import FSDP, Parallelism, parallelize, resolve_parallelism
+from .tensor import builtin_plan, resolve_tensor_parallel
 
 
 @dataclass(frozen=True)
 class PipelineParallel(Parallelism):
     """`trainer.pipeline_parallel=P`: `split[s]` blocks in stage s, run by `schedule`, and
-    `data` (ddp, or single) over the dims.dp processes of each stage: replicas whose gradients
-    are averaged after each step's schedule (`Pipeline._average_gradients`)."""
+    `data` over the dims.stage_world processes of each stage: ddp (replicas whose gradients are
+    averaged after each step's schedule, `Pipeline._average_gradients`), fsdp / hsdp, tensor
+    parallelism (with any of those), or single."""
     dims: ParallelDims = field(default_factory=ParallelDims)
     data: Parallelism = field(default_factory=Parallelism)
     schedule: str = "1f1b"
@@ -50,7 +61,7 @@ class PipelineParallel(Parallelism):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "pp" if self.dims.dp == 1 else f"{self.data.name}+pp"
+        return "pp" if self.dims.stage_world == 1 else f"{self.data.name}+pp"
 
     @property
     def label(self) -> str:
@@ -58,6 +69,34 @@ class PipelineParallel(Parallelism):
 
     def layout(self, world: int) -> ParallelDims:
         return self.dims
+
+    @property
+    def stage_parallelism(self) -> Parallelism:
+        """What parallelizes each stage's part as it would a whole model: fsdp, hsdp and tensor
+        parallelism (FSDP2 over TP) make FSDP2 modules, which the schedule reduces. Replicas
+        (ddp) stay plain modules: DDP's wrapper cannot run the stand-in forward the stages set
+        themselves up with; `Pipeline` averages their gradients itself."""
+        return self.data if isinstance(self.data, FSDP) else Parallelism()
+
+    def stage_mesh(self, mesh: Any) -> Any:
+        """A stage's slice of the run's mesh, as its parallelism takes it: tensor parallelism
+        slices its dimensions by name from the whole; FSDP shards over dp_shard (HSDP: over
+        dp_shard, replicated over dp_replicate)."""
+        if self.dims.tp > 1:
+            return mesh
+        return mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else mesh["dp_shard"]
+
+    def parallelize_part(self, part: nn.Module, env: DistEnv, mesh: Any, *, precision: str,
+                         activation_checkpointing: bool = False, compile: bool = False) -> None:
+        """One stage's part parallelized on the run's `mesh` as a whole model would be (TP ->
+        activation checkpointing -> compile -> FSDP2): the run's way, and the plan's."""
+        stage = self.stage_parallelism
+        parallelize(part, stage, env, precision=precision, compile=compile,
+                    activation_checkpointing=activation_checkpointing,
+                    mesh=self.stage_mesh(mesh) if isinstance(stage, FSDP) else None)
+
+    def autocast(self, precision: str, device: torch.device) -> ContextManager:
+        return self.data.autocast(precision, device)  # FSDP2's policy casts, not autocast
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages `rank` runs: its pipeline coordinate, and P further per virtual stage."""
@@ -73,12 +112,14 @@ class PipelineParallel(Parallelism):
         return list(range(start, start + self.split[stage]))
 
     def full_state_dict(self, model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
-        """Every stage's part, gathered on rank 0 from the first rank of each stage (the others
-        hold copies): the whole model under its own names."""
+        """Every stage's part, gathered on rank 0 from the first rank of each stage (a sharded or
+        split parameter is first gathered whole over its stage's processes): the whole model
+        under its own names."""
         import torch.distributed as dist
-        first_of_stage = env.rank % self.dims.stage_world == 0
-        mine = {k: v.detach().cpu() for k, v in model.state_dict().items()} \
-            if first_of_stage else {}
+        with torch.no_grad():  # full_tensor: collective over the stage's processes
+            whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+                     for k, v in model.state_dict().items()}
+        mine = whole if env.rank % self.dims.stage_world == 0 else {}
         parts: Optional[list] = [None] * env.world_size if env.is_master else None
         dist.gather_object(mine, parts, dst=0)  # our own processes' tensors
         return {k: v for part in parts for k, v in part.items()} if parts else {}
@@ -90,17 +131,24 @@ class PipelineParallel(Parallelism):
 
 def resolve_pipeline_parallel(requested: str, pp: int, *, schedule: str,
                               split: Optional[Sequence[int]], num_layers: int, world_size: int,
-                              local_world_size: int, device: torch.device
+                              local_world_size: int, device: torch.device, tp: int = 1,
+                              reshard_after_forward: bool = True,
+                              shard_group_size: Optional[int] = None
                               ) -> tuple[PipelineParallel, str]:
-    """(parallelism, why) for `trainer.pipeline_parallel=pp`: the stages' blocks, and the data
-    parallelism over world / pp processes (`auto`: ddp), fixed in one ParallelDims."""
+    """(parallelism, why) for `trainer.pipeline_parallel=pp`: the stages' blocks, and what
+    parallelizes each stage over its world / pp processes, resolved as it would be for a whole
+    world of that many (`auto`: ddp; with tensor parallelism, fsdp over the data-parallel rest),
+    fixed in one ParallelDims with the pipeline outermost."""
     check_pipeline_parallel(pp, world=world_size)
     stage_world = world_size // pp
-    data, why = resolve_parallelism("ddp" if requested == "auto" else requested,
-                                    world_size=stage_world,
-                                    local_world_size=max(1, local_world_size // pp),
-                                    device=device)
-    dims = ParallelDims(dp_replicate=stage_world, pp=pp)
+    kw: dict = dict(world_size=stage_world, device=device,
+                    # a stage's processes on one node: the node's, or its share of the stages
+                    local_world_size=math.gcd(local_world_size, stage_world),
+                    reshard_after_forward=reshard_after_forward, shard_group_size=shard_group_size)
+    data, why = resolve_tensor_parallel(requested, tp, **kw) if tp > 1 else \
+        resolve_parallelism("ddp" if requested == "auto" else requested, **kw)
+    stage = data.layout(stage_world)
+    dims = ParallelDims(stage.dp_replicate, stage.dp_shard, stage.tp, pp=pp)
     blocks = pipeline_split(num_layers, pp, schedule, split)
     return (PipelineParallel(dims=dims, data=data, schedule=schedule, split=blocks),
             f"{why if stage_world > 1 else 'no data parallelism left'}; a pipeline of {pp} "
@@ -137,6 +185,14 @@ class ModelPart(nn.Module):
         for name in model.pipeline_output if last else ():
             self.add_module(name, getattr(model, name))
 
+    @property
+    def tp_plan(self) -> dict:
+        """The model's tensor-parallel plan (parallel/tensor.py), less the entries for modules
+        this part does not hold: its modules have the whole model's names."""
+        held = dict(self.named_children())
+        return {name: style for name, style in (builtin_plan(self.arch) or {}).items()
+                if name.split(".")[0] in held}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (B, T) token ids on the first stage, else (B, T, C) activations
         with self.amp():
@@ -171,10 +227,6 @@ class Pipeline:
                  compile: bool = False):
         from torch.distributed.pipelining import PipelineStage
         dims, self.env = parallelism.dims, env
-        if activation_checkpointing:  # block by block, before the blocks are handed out
-            apply_activation_checkpointing(model)
-        if compile:
-            apply_compile(model)
         mesh = dims.build_mesh(env.device.type)
         self.pp_group = mesh["pp"].get_group()
         ids, n = parallelism.stages_of(env.rank), len(parallelism.split)
@@ -183,15 +235,21 @@ class Pipeline:
         def amp() -> ContextManager:
             return parallelism.autocast(precision, env.device)
 
-        parts = [ModelPart(model, parallelism.blocks_of(s), first=s == 0, last=s == n - 1, amp=amp)
-                 for s in ids]
+        # what this rank holds, under the whole model's names (the optimizer, snapshots and
+        # model/ read it): the parts' own modules, seen before checkpointing / compile wrap them
         self.model = ModelPart(model, [b for s in ids for b in parallelism.blocks_of(s)],
                                first=self.has_first, last=self.has_last)
-        self.model.to(env.device)
-        # A stage's replicas average their gradients once the schedule is done (`train_step`):
-        # DDP's wrapper cannot run the stand-in forward the stages set themselves up with.
-        self.dp_group = mesh["dp_replicate"].get_group() if dims.dp > 1 else None
-        stages = [PipelineStage(p, s, n, env.device, group=self.pp_group)
+        parts = [ModelPart(model, parallelism.blocks_of(s), first=s == 0, last=s == n - 1, amp=amp)
+                 for s in ids]
+        for part in parts:
+            parallelism.parallelize_part(part, env, mesh, precision=precision, compile=compile,
+                                         activation_checkpointing=activation_checkpointing)
+        # FSDP2 parts are reduced by the schedule; replicas average their gradients here
+        replicas = dims.dp > 1 and not isinstance(parallelism.stage_parallelism, FSDP)
+        self.dp_group = mesh["dp_replicate"].get_group() if replicas else None
+        # a DTensor sent between stages (TP's stream) is rebuilt on the receiver's own slice
+        stages = [PipelineStage(p, s, n, env.device, group=self.pp_group,
+                                get_mesh=lambda names, layout: mesh[names])
                   for p, s in zip(parts, ids)]
         self.loss = _ScaledLoss(loss_sum)
         self.label_smoothing, self.micro_batches = label_smoothing, micro_batches
@@ -252,10 +310,13 @@ class Pipeline:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient: this rank's stages' squared norm,
-        summed over the pipeline (a stage's data-parallel replicas hold the same gradients)."""
+        summed over the pipeline (a stage's data-parallel replicas hold the same gradients;
+        sharded or split ones are DTensors, whose norm is reduced over the stage's processes)."""
         import torch.distributed as dist
         params = [p for p in self.model.parameters() if p.grad is not None]
         local = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if hasattr(local, "full_tensor"):
+            local = local.full_tensor()
         squared = local.float().pow(2)
         dist.all_reduce(squared, group=self.pp_group)
         total = squared.sqrt()

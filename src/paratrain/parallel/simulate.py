@@ -40,7 +40,8 @@ from .memory_plan import MARGIN, Choice, Estimate, choose
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .pipeline_schedules import in_flight
-from .strategies import Parallelism, parallelize, resolve_parallelism
+from .strategies import Parallelism, apply_activation_checkpointing, parallelize, \
+    resolve_parallelism
 from .tensor import resolve_tensor_parallel
 
 META = torch.device("meta")
@@ -167,35 +168,36 @@ def simulate(work: Workload, target: Target,
 
 def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
                   asked: bool) -> Simulated:
-    """Rank 0 of a pipeline: its stages' part of the model (the embedding and their blocks),
-    one micro-batch's saved activations times the micro-batches its schedule keeps in flight
-    (pipeline_schedules.in_flight), the activations it sends on to the next stage in every
-    forward, and its replicas' gradient all-reduce. Built whole on the meta device."""
-    from .strategies import apply_activation_checkpointing
+    """Rank 0 of a pipeline: its stages' part (the embedding and their blocks) parallelized as
+    training does it (`parallelize_part`: FSDP shards, TP splits), one micro-batch's saved
+    activations times the micro-batches its schedule keeps in flight
+    (pipeline_schedules.in_flight), the activations it sends on,
+    its data parallelism's traffic."""
     dims, stages = pipeline.dims, pipeline.stages_of(0)
     blocks = sum(len(pipeline.blocks_of(s)) for s in stages)
     last = len(pipeline.split) - 1 in stages
-    with fused_attention():
-        model = _model(work, blocks)
-        compute = mixed_dtype(work.precision)
-        if compute is not None:
-            model.to(compute)
+    idx = torch.zeros(work.micro_batch, work.seq_length, dtype=torch.long, device=META)
+    with fake_world(target.world), fused_attention():
+        mesh = dims.build_mesh(META.type)
+        run_part = ModelPart(_model(work, blocks), range(blocks), first=True, last=last)
+        pipeline.parallelize_part(run_part, _env(target), mesh, precision=work.precision)
+        named = dict(run_part.named_parameters())  # as the run holds them
+        part = ModelPart(_model(work, blocks, compute=True), range(blocks), first=True, last=last)
+        pipeline.data.split(part, mesh)  # tensor parallelism: the stream split by sequence
         if ac:
-            apply_activation_checkpointing(model)
-        part = ModelPart(model, range(blocks), first=True, last=last)
-        idx = torch.zeros(work.micro_batch, work.seq_length, dtype=torch.long, device=META)
+            apply_activation_checkpointing(part)
         with SavedTensorMeter(part) as meter:
             out = part(idx)  # (B, T, C), or (B, T, V) when this rank holds the last stage too
             if last:
                 nn.functional.cross_entropy(out.float().flatten(0, 1), idx.flatten())
-    named = dict(part.named_parameters())
-    state = {"numel": sum(p.numel() for p in named.values()), "root_numel": 0}
+    state = {"numel": sum(_local_numel(p) for p in named.values()), "root_numel": sum(
+        _local_numel(p) for n, p in named.items() if not n.startswith("layers."))}
     micro = work.accum(dims.dp)
     held = in_flight(pipeline.schedule, dims.pp, micro)
-    sends = len(stages) - int(last)  # every stage but the last sends its output on
+    sends = len(stages) - int(last)  # every stage but the last sends its output (its TP slice)
     sent = _data_parallel_traffic(work, pipeline, state, target.world, micro)
     sent["pp"] = {"send": sends * micro * work.micro_batch * work.seq_length *
-                  model.args.hidden_size * _param_bytes(work.precision)}
+                  part.args.hidden_size * _param_bytes(work.precision) // dims.tp}
     params = local_bytes(named.values())
     parts = (params, params, 2 * params + 4 * len(named))
     activation_bytes = meter.bytes * held
@@ -243,10 +245,13 @@ def _local_numel(p: torch.Tensor) -> int:
     return (p.to_local() if hasattr(p, "to_local") else p).numel()
 
 
-def _model(work: Workload, blocks: int) -> nn.Module:
+def _model(work: Workload, blocks: int, compute: bool = False) -> nn.Module:
+    """The model on the meta device; `compute`: in the compute dtype (autocast has no meta
+    device: the half dtype, as FSDP's mixed-precision policy computes; the norms upcast inside)."""
     with torch.device(META):
-        model = work.build(blocks)
-    return prepare_model(model, work.precision)
+        model = prepare_model(work.build(blocks), work.precision)
+    dtype = mixed_dtype(work.precision) if compute else None
+    return model if dtype is None else model.to(dtype)
 
 
 def _activations(work: Workload, blocks: int, tensor: Optional[Parallelism], target: Target,
@@ -254,8 +259,6 @@ def _activations(work: Workload, blocks: int, tensor: Optional[Parallelism], tar
     """Bytes saved for backward by one micro-batch's forward and loss, and the tensor-parallel
     collectives of its forward and backward, on the meta device."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from .strategies import apply_activation_checkpointing
     sent: Counter = Counter()
 
     class Collectives(TorchDispatchMode):
@@ -268,10 +271,7 @@ def _activations(work: Workload, blocks: int, tensor: Optional[Parallelism], tar
             return func(*args, **(kwargs or {}))
 
     with fake_world(target.world), fused_attention():
-        model = _model(work, blocks)
-        compute = mixed_dtype(work.precision)
-        if compute is not None:  # autocast has no meta device: compute in the half dtype, as
-            model.to(compute)  # FSDP's mixed-precision policy does (the norms upcast inside)
+        model = _model(work, blocks, compute=True)
         group_size = 1
         if tensor is not None:
             mesh = tensor.device_mesh(_env(target))
@@ -385,9 +385,9 @@ def plan_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
     requested = tr.strategy if tr.strategy != "single" else "ddp"
     pipeline = resolve_pipeline_parallel(
         requested, tr.pipeline_parallel, schedule=tr.pipeline_schedule, split=tr.pipeline_split,
-        num_layers=args.num_layers, world_size=target.world,
-        local_world_size=target.devices_per_node, device=META)[0] \
-        if tr.pipeline_parallel > 1 else None
+        num_layers=args.num_layers, world_size=target.world, tp=tr.tensor_parallel,
+        local_world_size=target.devices_per_node, device=META, shard_group_size=tr.shard_group_size,
+        reshard_after_forward=tr.reshard_after_forward)[0] if tr.pipeline_parallel > 1 else None
     layouts = candidates(target, heads=args.num_heads, kv_heads=args.num_kv_heads,
                          requested=requested, tp=tr.tensor_parallel,
                          reshard_after_forward=tr.reshard_after_forward, pipeline=pipeline)

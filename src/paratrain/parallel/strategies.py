@@ -327,13 +327,13 @@ def processes_per_node(requested: str, devices: int) -> int:
 # ---- composing the wrappers ---------------------------------------------------------------------
 def parallelize(model: nn.Module, parallelism: Parallelism, env: DistEnv, *, precision: str,
                 activation_checkpointing: bool = False, compile: bool = False,
-                wrap: Sequence[type] = ()) -> nn.Module:
+                wrap: Sequence[type] = (), mesh: Any = None) -> nn.Module:
     """Tensor parallelism -> activation checkpointing -> compile -> the data-parallel wrapper,
     in that order (torchtitan's): each step must see the modules the one before made, and the
-    wrapper the final ones."""
+    wrapper the final ones. `mesh`: a pipeline stage's, sliced from the run's (pipeline.py)."""
     if not parallelism.offloads_to_host:
         model.to(env.device)
-    mesh = parallelism.device_mesh(env)
+    mesh = parallelism.device_mesh(env) if mesh is None else mesh
     parallelism.split(model, mesh)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -360,21 +360,19 @@ def parallelize_frozen(model: nn.Module, parallelism: Parallelism, env: DistEnv,
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every transformer block in backward (non-reentrant): activations of one block
     at a time instead of all of them."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        checkpoint_wrapper,
-    )
-    for layers in _block_lists(model):
-        for i, block in enumerate(layers):
-            layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac
+    for layers in _block_lists(model):  # a list, or a pipeline stage's dict (pipeline.py)
+        for i, block in layers.named_children():
+            layers.register_module(i, ac.checkpoint_wrapper(
+                block, checkpoint_impl=ac.CheckpointImpl.NO_REENTRANT))
 
 
 def apply_compile(model: nn.Module) -> None:
     """Compile each block separately: the blocks are identical, so one compiled graph is reused
     and the compile time stays that of one block."""
     for layers in _block_lists(model):
-        for i, block in enumerate(layers):
-            layers[i] = torch.compile(block)
+        for i, block in layers.named_children():
+            layers.register_module(i, torch.compile(block))
 
 
 def shard_units(model: nn.Module, wrap: Sequence[type]) -> list[nn.Module]:
@@ -383,22 +381,22 @@ def shard_units(model: nn.Module, wrap: Sequence[type]) -> list[nn.Module]:
     an encoder-decoder's blocks of both stacks)."""
     if wrap:
         return [m for m in model.modules() if isinstance(m, tuple(wrap)) and m is not model]
-    return [block for layers in find_block_lists(model) for block in layers]
+    return [block for layers in find_block_lists(model) for block in layers.children()]
 
 
-def find_block_lists(model: nn.Module) -> list[nn.ModuleList]:
-    """Every list of repeated blocks: our models' `layers`; in a Hugging Face model, each
-    ModuleList whose modules are all blocks it names in `_no_split_modules` (model.model.layers,
-    transformer.h, encoder.block and decoder.block, ...). Empty when there is none."""
+def find_block_lists(model: nn.Module) -> list[nn.Module]:
+    """Every list of repeated blocks: our models' `layers` (a dict in a pipeline stage); in a
+    Hugging Face model, each ModuleList whose modules are all blocks it names in
+    `_no_split_modules` (model.model.layers, transformer.h, encoder.block, decoder.block, ...)."""
     layers = getattr(model, "layers", None)
-    if isinstance(layers, nn.ModuleList):
+    if isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
         return [layers]
     names = set(getattr(model, "_no_split_modules", None) or ())
     return [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and
             all(type(b).__name__ in names for b in m)]
 
 
-def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
+def _block_lists(model: nn.Module) -> list[nn.Module]:
     lists = find_block_lists(model)
     if not lists:
         raise ConfigError(f"{type(model).__name__} has no list of blocks (a `layers` ModuleList) "

@@ -147,13 +147,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
 def tp_plan_of(model: nn.Module) -> Any:
     """The plan that splits this model: a dict of module name patterns to torch ParallelStyles,
     or a function (model, tp_mesh) that applies one. A ConfigError naming why when none."""
-    from ..models.gpt import GPT
-    from ..models.llama import Llama
-    if isinstance(model, Llama):
-        return llama_plan()
-    if isinstance(model, GPT):
-        return gpt_plan()
-    own = getattr(model, "tp_plan", None)
+    builtin = builtin_plan(type(model))
+    if builtin is not None:
+        return builtin
+    own = getattr(model, "tp_plan", None)  # a pipeline stage's too (pipeline.ModelPart)
     if isinstance(own, dict) and own and all(_is_style(s) for s in own.values()):
         return own  # a user's module that says how to split it
     if hasattr(model, "config") and hasattr(model, "base_model"):  # a transformers model
@@ -164,6 +161,14 @@ def tp_plan_of(model: nn.Module) -> Any:
         "layers, and it has none; give the module a `tp_plan` attribute (a dict of submodule "
         "names to torch.distributed.tensor.parallel styles, e.g. ColwiseParallel()), or train "
         "it with trainer.tensor_parallel=1")
+
+
+def builtin_plan(arch: type) -> Optional[dict]:
+    """The plan of our Llama or GPT class (None for any other)."""
+    from ..models.gpt import GPT
+    from ..models.llama import Llama
+    return llama_plan() if issubclass(arch, Llama) else gpt_plan() if issubclass(arch, GPT) \
+        else None
 
 
 def check_tp_plan(task: Any, tp: int) -> None:
