@@ -194,7 +194,7 @@ class Trainer:
             plan = make_plan(cfg, task, devices=devices, world_size=1, local_world_size=1)
             timeline.mark("launcher_data")
             return _result(run_rank(cfg, env, plan, task, timeline))
-        forkserver.start(forkserver.worker_modules(cfg))  # (the CLI opened it already)
+        forkserver.start(cfg)  # (the CLI opened it already: nothing to do)
         with join_nodes(d.master_addr, d.master_port, d.max_nodes, d.node_rank, nproc,
                         d.timeout_s, config=cfg.to_dict(), rdzv=d.rdzv,
                         min_nodes=d.min_nodes) as nodes:

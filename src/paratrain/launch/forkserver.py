@@ -25,7 +25,7 @@ import re
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 from ..errors import ConfigError
 from ..tasks import registry
@@ -50,15 +50,15 @@ _JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, si
 _ONE_DEVICE = re.compile(r"cpu(:1)?|(cuda:|gpu:)?\d+")  # trainer.devices naming one device
 
 
-def start(modules: Sequence[str]) -> None:
-    """Open the server now, importing `modules` in it (once per process: later calls keep the
-    first server, whose imports a fresh one would only repeat)."""
+def start(cfg: Any) -> None:
+    """Open the server now, importing what a worker of `cfg` needs (`worker_modules`), once per
+    process: later calls keep the first server, whose imports a fresh one would only repeat."""
     global _server_environ
     handlers = {sig: signal.getsignal(sig) for sig in _JOB_SIGNALS}
     if _server_environ is not None or None in handlers.values() \
             or threading.current_thread() is not threading.main_thread():
         return  # (signal handlers set outside Python, or not ours to set: workers are spawned)
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(modules))
+    multiprocessing.get_context("forkserver").set_forkserver_preload(worker_modules(cfg))
     _server_environ = dict(os.environ)
     for sig in _JOB_SIGNALS:  # ignored from its first instruction on (exec keeps SIG_IGN)
         signal.signal(sig, signal.SIG_IGN)
@@ -74,7 +74,7 @@ def start_for(cfg: Any) -> None:
     a config that cannot be read is left to the Trainer to report, as without the server."""
     try:
         if may_start_workers(cfg):
-            start(worker_modules(cfg))
+            start(cfg)
     except ConfigError:
         pass
 
@@ -137,10 +137,9 @@ def worker_modules(cfg: Any) -> list[str]:
     spec = registry.for_config(cfg)
     modules = ["paratrain.trainer", spec.task.split(":")[0]]
     if spec.pretrained:
-        model_type = str(registry.model_config(cfg.model.path).get("model_type", ""))
+        kind = str(registry.model_config(cfg.model.path).get("model_type", "")).replace("-", "_")
         modules += ["transformers", "transformers.modeling_utils"]
-        if re.fullmatch(r"[a-z0-9_]+", model_type.replace("-", "_")):
-            kind = model_type.replace("-", "_")
+        if re.fullmatch(r"[a-z0-9_]+", kind):
             modules.append(f"transformers.models.{kind}.modeling_{kind}")
         if cfg.model.lora.r:
             modules.append("peft")

@@ -37,9 +37,9 @@ def own_session() -> None:
     """Move this worker into a session (and process group) of its own, ended with SIGKILL if the
     launcher dies. A worker the launcher spawned has the kernel tie it (PR_SET_PDEATHSIG); one
     forked by the launcher's forkserver (launch/forkserver.py) is the server's child, not the
-    launcher's, so a thread waits on the launcher's end of multiprocessing's pipe instead. Where neither can be
-    had (not Linux), the worker stays where it is: a worker that outlived its launcher would
-    train on alone."""
+    launcher's, so a thread waits on the launcher's end of multiprocessing's pipe instead. Where
+    neither can be had (not Linux), the worker stays where it is: a worker that outlived its
+    launcher would train on alone."""
     parent = multiprocessing.parent_process()
     if not sys.platform.startswith("linux") or parent is None:
         return
