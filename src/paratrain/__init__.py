@@ -22,7 +22,7 @@ from .errors import (
     TrainingError,
 )
 
-_LAZY = {"Trainer": "trainer", "RunResult": "trainer", "TrainConfig": "config",
+_LAZY = {"Trainer": "trainer", "RunResult": "trainer", "TrainConfig": "config.tree",
          "DistEnv": "dist", "load_model": "models.files"}
 
 __all__ = ["Trainer", "TrainConfig", "RunResult", "DistEnv", "load_model", "ParatrainError",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 from .errors import ParatrainError
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from .config.tree import TrainConfig
 
 USAGE_EXIT = 2
 
@@ -30,7 +30,7 @@ def _split_config_args(args: Sequence[str]) -> Tuple[Optional[str], List[str]]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from .config import TrainConfig
+    from .config.tree import TrainConfig
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)  # a bad key fails here, before torch loads
     from .launch import forkserver
@@ -66,7 +66,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     from .models.files import model_dir_of
     from .models.generate import GenerateOptions
-    from .tasks import registry
+    from .config import registry
     data, trainer = _run_sections(ns.run_dir)
     opts = GenerateOptions(
         run_dir=ns.run_dir, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
@@ -113,7 +113,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 def cmd_plan(ns: argparse.Namespace) -> int:
     import json
 
-    from .config import TrainConfig
+    from .config.tree import TrainConfig
     from .parallel.memory_plan import format_plan, plan_for_config
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)
@@ -136,7 +136,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def _task_probe(cfg: "TrainConfig") -> Any:
     """A fine-tuning task's model (and its frozen models) for the memory plan; None: the
     config's own model (model.arch llama/gpt)."""
-    from .tasks import registry
+    from .config import registry
     if not registry.for_config(cfg).pretrained:
         return None
     from .dist import DistEnv
@@ -157,7 +157,7 @@ def at_scale(cfg) -> bool:
 
 
 def cmd_config_show(ns: argparse.Namespace) -> int:
-    from .config import TrainConfig
+    from .config.tree import TrainConfig
     path, overrides = _split_config_args(ns.args)
     print(TrainConfig.from_yaml(path, overrides).to_yaml(redact=True), end="")
     return 0

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from .config import TrainConfig
+from .config.tree import TrainConfig
 from .errors import ConfigError, DataError
 from .parallel.dims import ParallelDims
 from .parallel.memory_plan import Choice, Estimate, choose, device_capacity, estimate, \

@@ -9,7 +9,7 @@ import torch
 
 from paratrain.dist import DistEnv
 from paratrain.models import build_model
-from paratrain.models.presets import ModelArgs
+from paratrain.config.presets import ModelArgs
 from paratrain.parallel.strategies import DDP, parallelize
 
 
@@ -47,7 +47,7 @@ def ddp_replicas(rank: int, world: int, port: int, result_path: str) -> None:
 
 def _tiny() -> dict:
     from paratrain.config import ModelConfig
-    from paratrain.models.presets import resolve_model_config
+    from paratrain.config.presets import resolve_model_config
     return resolve_model_config(ModelConfig(preset="tiny"), vocab_size=97,
                                 seq_length=16).to_dict()
 

@@ -107,10 +107,10 @@ LAYERS = [
     ("paratrain.records",),
     ("paratrain.models",),
     ("paratrain.data",),
-    ("paratrain.config", "paratrain.config_checks", "paratrain.finetune_checks",
-     "paratrain.models.presets",
-     "paratrain.tasks.registry", "paratrain.dist", "paratrain.errors", "paratrain.fileio",
-     "paratrain.formatting", "paratrain.redact", "paratrain.model_folder", "paratrain"),
+    ("paratrain.config", "paratrain.config.checks", "paratrain.config.finetune_checks",
+     "paratrain.config.presets",
+     "paratrain.config.registry", "paratrain.dist", "paratrain.errors", "paratrain.fileio",
+     "paratrain.formatting", "paratrain.redact", "paratrain.config.model_folder", "paratrain"),
 ]
 
 

@@ -20,7 +20,7 @@ from paratrain.dist import DistEnv
 from paratrain.errors import CheckpointError, ConfigError, RunDirError
 from paratrain.models import build_model
 from paratrain.models.files import load_model
-from paratrain.models.presets import resolve_model_config
+from paratrain.config.presets import resolve_model_config
 from paratrain.parallel.strategies import Parallelism
 from paratrain.runplan import RunPlan
 from paratrain.runtime.optim import build_optimizer, build_scheduler

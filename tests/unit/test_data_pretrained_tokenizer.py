@@ -135,7 +135,7 @@ def test_model_folder_carries_the_files_and_loads_with_them(tmp_path, llama_like
 
     from paratrain.config import ModelConfig
     from paratrain.models import build_model
-    from paratrain.models.presets import resolve_model_config
+    from paratrain.config.presets import resolve_model_config
     tok, _ = Tokenizer.from_pretrained(llama_like)
     args = resolve_model_config(ModelConfig(preset="tiny"), vocab_size=tok.vocab_size,
                                 seq_length=16)

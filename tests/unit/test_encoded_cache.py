@@ -21,7 +21,7 @@ from paratrain.data.finetune import encode_pairs
 from paratrain.data.hf_tokenizer import load_tokenizer
 from paratrain.data.records import read_rows
 from paratrain.dist import DistEnv
-from paratrain.tasks import registry
+from paratrain.config import registry
 from paratrain.tasks.base import TaskRecords
 from tests.conftest import REPO, make_hf_tokenizer
 
@@ -183,7 +183,7 @@ def test_a_process_that_maps_the_cache_never_imports_transformers(tok_dir, train
 import sys
 from paratrain.config import TrainConfig
 from paratrain.dist import DistEnv
-from paratrain.tasks import registry
+from paratrain.config import registry
 cfg = TrainConfig.from_yaml(None, {_cfg_args(cfg)!r})
 task = registry.get("pairs").load().prepare(cfg, DistEnv.single("cpu"), None, print)
 batch = task.collate([task.train_ds[0], task.train_ds[1]])

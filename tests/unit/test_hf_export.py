@@ -16,7 +16,7 @@ from paratrain.data import Tokenizer
 from paratrain.errors import ConfigError
 from paratrain.models import build_model, generate
 from paratrain.models import files as model_io
-from paratrain.models.presets import resolve_model_config
+from paratrain.config.presets import resolve_model_config
 
 transformers = pytest.importorskip("transformers")
 

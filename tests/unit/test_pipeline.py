@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paratrain import TrainConfig
-from paratrain.config_checks import pipeline_split
+from paratrain.config.checks import pipeline_split
 from paratrain.errors import ConfigError
 from paratrain.models import build_model, resolve_model_config
 from paratrain.parallel.dims import ParallelDims

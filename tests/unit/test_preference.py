@@ -22,7 +22,7 @@ from paratrain.data.preference import (
     encode_reward,
 )
 from paratrain.errors import ConfigError, DataError
-from paratrain.tasks import registry
+from paratrain.config import registry
 from tests.conftest import make_hf_tokenizer
 
 pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ from paratrain.config import TrainConfig
 from paratrain.dist import DistEnv
 from paratrain.errors import ConfigError
 from paratrain.runtime.rank import prepare_task
-from paratrain.tasks import registry
+from paratrain.config import registry
 from paratrain.tasks.user import UserTask
 
 
@@ -46,7 +46,7 @@ def test_records_are_recognised_by_their_fields():
 
 
 def test_the_registry_is_free_of_torch():
-    code = ("import sys; from paratrain.tasks import registry; registry.get('pairs'); "
+    code = ("import sys; from paratrain.config import registry; registry.get('pairs'); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)

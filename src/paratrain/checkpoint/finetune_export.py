@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from ..config import TrainConfig
+from ..config.tree import TrainConfig
 from ..data.tokenizer import TOKENIZER_FILES
 from ..errors import CheckpointError, ConfigError
 from ..redact import redact_url
@@ -54,7 +54,7 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from ..parallel.precision import prepare_model
-    from ..tasks import registry
+    from ..config import registry
     from .snapshotter import state_options
     out = Path(out)
     config = marker.get("config")

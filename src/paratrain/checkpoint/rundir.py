@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from ..config import TrainConfig
+from ..config.tree import TrainConfig
 from ..errors import RunDirError
 from ..fileio import atomic_write_text
 from ..models.files import MODEL_DIR

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..config import TrainConfig
+from ..config.tree import TrainConfig
 from ..data.tokenizer import TOKENIZER_FILE, TOKENIZER_FILES, tokenizer_files
 from ..errors import CheckpointError
 from ..fileio import atomic_write_path, atomic_write_text

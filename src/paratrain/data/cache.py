@@ -29,11 +29,11 @@ from typing import Callable, Iterator, List, Optional
 
 import numpy as np
 
-from ..config import DataConfig
-from ..config_checks import resolve_tokenizer
+from ..config.tree import DataConfig
+from ..config.checks import resolve_tokenizer
 from ..errors import DataError
 from ..fileio import atomic_write_json
-from ..tasks import registry
+from ..config import registry
 from .corpus import Corpus, resolve_corpus
 from .tokenizer import TOKENIZER_FILE, Tokenizer, copy_tokenizer_files, tokenizer_files_fingerprint
 

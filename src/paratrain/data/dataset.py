@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..config import DataConfig
-from ..tasks import registry
+from ..config.tree import DataConfig
+from ..config import registry
 from .cache import PreparedData
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..config import TrainConfig
+from ..config.tree import TrainConfig
 from ..fileio import atomic_write_json
 from .examples import FinetuneDataset
 from .tokenizer import tokenizer_files_fingerprint

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from ..errors import ConfigError
-from ..tasks import registry
+from ..config import registry
 
 # The environment this process's server started with; None: no server started here. One per
 # process, as multiprocessing's forkserver (which it describes) is one per process.

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .generate import generate
-from .presets import PRESETS, ModelArgs, resolve_model_config
+from ..config.presets import PRESETS, ModelArgs, resolve_model_config
 
 if TYPE_CHECKING:
     import torch.nn as nn

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .llama import check_input, gpt2_init
-from .presets import ModelArgs
+from ..config.presets import ModelArgs
 
 
 class CausalSelfAttention(nn.Module):

@@ -107,7 +107,7 @@ def loads_weights(folder: Path) -> bool:
     only; transformers refuses `from_pretrained` there)."""
     import torch
 
-    from ..model_folder import has_weights
+    from ..config.model_folder import has_weights
     return has_weights(folder) and torch.get_default_device().type != "meta"
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .presets import ModelArgs
+from ..config.presets import ModelArgs
 
 
 class RMSNorm(nn.Module):

@@ -38,7 +38,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 from torch import nn
 
-from ..config_checks import PIPELINE_SCHEDULES, pipeline_split
+from ..config.checks import PIPELINE_SCHEDULES, pipeline_split
 from ..data.dataset import IGNORE_INDEX
 from ..dist import DistEnv
 from ..errors import ConfigError

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config_checks import PIPELINE_SCHEDULES
+from ..config.checks import PIPELINE_SCHEDULES
 
 # trainer.pipeline_schedule -> the class of torch.distributed.pipelining.schedules that runs it
 TORCH_SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",

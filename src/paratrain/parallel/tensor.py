@@ -174,7 +174,7 @@ def builtin_plan(arch: type) -> Optional[dict]:
 def check_tp_plan(task: Any, tp: int) -> None:
     """Before any worker starts: the task's model (built on the meta device: no memory, no
     weights read) has a plan, and `tp` divides its heads. One ConfigError line when not."""
-    from ..config_checks import check_tp_heads
+    from ..config.checks import check_tp_heads
     with torch.device("meta"):
         model = task.build_model()
     if any(not p.requires_grad for p in model.parameters()):  # LoRA: see the README

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..config import LogConfig, TrainConfig
+from ..config.tree import LogConfig, TrainConfig
 from ..dist import DistEnv
 from ..errors import ConfigError
 from ..formatting import flatten

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import DataLoader
 
-from ..config import TrainConfig
+from ..config.tree import TrainConfig
 from ..dist import DistEnv
 
 

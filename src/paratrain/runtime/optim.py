@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import OptimConfig
+from ..config.tree import OptimConfig
 from ..errors import ConfigError
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..checkpoint.rundir import check_run_dir, prepare_run_dir
 from ..checkpoint.snapshotter import Resumed, Snapshotter
-from ..config import TrainConfig
+from ..config.tree import TrainConfig
 from ..dist import DistEnv
 from ..fileio import atomic_write_json, replace_dir
 from ..formatting import first_line
@@ -31,7 +31,7 @@ from ..records.console import log
 from ..records.timeline import Timeline
 from ..redact import redact_url
 from ..runplan import RunPlan, auto_choice, make_plan
-from ..tasks import registry
+from ..config import registry
 from ..tasks.base import Task, TaskRecords, token_loss_sum
 from . import optim
 from .loop import TrainLoop

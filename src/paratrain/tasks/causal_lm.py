@@ -16,11 +16,11 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ..config import TrainConfig
+from ..config.tree import TrainConfig
 from ..errors import ConfigError
 from .base import TokenLoss
 from .hf import Encoder, PretrainedTask
-from .registry import model_config
+from ..config.registry import model_config
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import TrainConfig
+from ..config.tree import TrainConfig
 from ..errors import ConfigError
 from ..formatting import human_count
 from ..models.hf import loads_weights, quiet_transformers

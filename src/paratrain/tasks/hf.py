@@ -20,9 +20,9 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 import torch
 from torch import nn
 
-from ..config import TrainConfig
-from ..config_checks import resolve_tokenizer
-from ..model_folder import check_embeddings
+from ..config.tree import TrainConfig
+from ..config.checks import resolve_tokenizer
+from ..config.model_folder import check_embeddings
 from ..data.encoded import Encoded, fingerprint, load_or_encode
 from ..data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from ..dist import DistEnv

@@ -11,14 +11,14 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from torch import nn
 
-from ..config import TrainConfig
-from ..model_folder import check_embeddings, has_weights
+from ..config.tree import TrainConfig
+from ..config.model_folder import check_embeddings, has_weights
 from ..data.cache import PreparedData
 from ..dist import DistEnv
 from ..formatting import human_count
 from ..models.hf import HFArgs
-from ..models.presets import ModelArgs
-from . import registry
+from ..config.presets import ModelArgs
+from ..config import registry
 from .base import MemoryProbe, NoFrozenModels, TaskRecords, TokenLoss
 
 

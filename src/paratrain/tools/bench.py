@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..config import TrainConfig
+from ..config.tree import TrainConfig
 from ..dist import DistEnv
 from ..errors import ConfigError, TrainingError
 from ..fileio import atomic_write_json

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ..config import TrainConfig
+from ..config.tree import TrainConfig
 from ..data import build_dataset, collate, prepare_data
 from ..models import build_model, resolve_model_config
 

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from .errors import ConfigError
-from .tasks.registry import model_config  # one home: the registry reads config.json too
+from ..errors import ConfigError
+from .registry import model_config  # one home: the registry reads config.json too
 
 # Files any one of which makes a folder loadable by transformers' AutoTokenizer.from_pretrained.
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",

@@ -15,11 +15,11 @@ from typing import Any, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .config_checks import default_run_name, parse_nnodes, resolve_tokenizer, validate
-from .errors import ConfigError
-from .formatting import first_line
+from .checks import default_run_name, parse_nnodes, resolve_tokenizer, validate
+from ..errors import ConfigError
+from ..formatting import first_line
 from .model_folder import resolve_max_length
-from .redact import redact_secrets
+from ..redact import redact_secrets
 
 
 @dataclass

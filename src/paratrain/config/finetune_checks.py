@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, check_choice
-from .formatting import one_of
+from ..errors import ConfigError, check_choice
+from ..formatting import one_of
 from .model_folder import (
     TOKENIZER_MARKERS,
     has_tokenizer,
@@ -19,8 +19,8 @@ from .model_folder import (
     model_positions,
     resolve_max_length,
 )
-from .tasks import registry
-from .tasks.registry import model_config  # one home: the registry reads config.json too
+from . import registry
+from .registry import model_config  # one home: the registry reads config.json too
 
 TOKENIZERS = ("auto", "bpe", "char")
 LORA_BIASES = ("none", "all", "lora_only")

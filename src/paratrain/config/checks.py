@@ -12,12 +12,12 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .errors import ConfigError, check_choice
+from ..errors import ConfigError, check_choice
 from .finetune_checks import check_data_format, check_hf_corpus_tokenizer
-from .formatting import one_of
+from ..formatting import one_of
 from .model_folder import check_weights
-from .models.presets import ARCHS, resolve_model_config
-from .tasks import registry
+from .presets import ARCHS, resolve_model_config
+from . import registry
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")

@@ -1,0 +1,26 @@
+"""What a run is asked to do, read and checked before any worker starts, torch-free: the
+configuration tree (`tree`), its checks (`checks`, `finetune_checks`), the model folder reader
+(`model_folder`), the model sizes (`presets`) and the task table (`registry`).
+
+`from paratrain.config import TrainConfig` (and the other sections of the tree) is the public
+spelling; the package's own modules import from `config.tree`.
+"""
+
+from .tree import (
+    CheckpointConfig,
+    DataConfig,
+    DistributedConfig,
+    DPOConfig,
+    LogConfig,
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    PlanConfig,
+    RunConfig,
+    TrainConfig,
+    TrainerConfig,
+)
+
+__all__ = ["CheckpointConfig", "DataConfig", "DistributedConfig", "DPOConfig", "LogConfig",
+           "LoraConfig", "ModelConfig", "OptimConfig", "PlanConfig", "RunConfig", "TrainConfig",
+           "TrainerConfig"]
