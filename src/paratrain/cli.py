@@ -77,9 +77,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         chat_template=data.get("chat_template", "none") != "none")
     model_dir = model_dir_of(ns.run_dir)
     fmt = data.get("format") or "packed"
-    registry.get(fmt, key=f"{ns.run_dir}'s data.format")
-    spec = registry.select(fmt, trainer.get("objective") or "auto",
-                           registry.model_config(model_dir), where=f"{ns.run_dir}'s model")
+    spec = registry.recorded(fmt, trainer.get("objective") or "auto",
+                             key=f"{ns.run_dir}'s data.format")
     print(spec.generator()(model_dir, ns.prompt, opts))
     return 0
 
@@ -136,8 +135,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def _task_probe(cfg: "TrainConfig") -> Any:
     """A fine-tuning task's model (and its frozen models) for the memory plan; None: the
     config's own model (model.arch llama/gpt)."""
-    from .config import registry
-    if not registry.for_config(cfg).pretrained:
+    if not cfg.task.pretrained:
         return None
     from .dist import DistEnv
     from .errors import ConfigError

@@ -89,51 +89,48 @@ def test_help_config_show_and_config_errors_do_not_import_torch():
         assert not torch_loaded, (args, out[-2000:])
 
 
-# The layers of docs/architecture.md, top to bottom: a module may import its own package and the
-# layers below its own, never a layer above or a sibling package of the same layer (the top and
-# bottom layers are loose modules, which may import each other; the cycle test covers them).
-# Two tables with no dependencies of their own sit at the bottom beside config, which reads
-# them: models.presets (model sizes) and tasks.registry (task names).
+# The layers of docs/architecture.md, top to bottom, one unit (a package or a module) each: a
+# module may import its own unit and the layers below it, never a layer above. `paratrain` is the
+# package's own __init__ (its public names, imported lazily); config/ is the configuration tree,
+# its checks, the model folder reader, the presets and the task table, all torch-free.
 LAYERS = [
-    ("paratrain.cli", "paratrain.__main__"),
-    ("paratrain.tools",),
-    ("paratrain.trainer",),
-    ("paratrain.runtime",),
-    ("paratrain.checkpoint",),
-    ("paratrain.runplan",),
-    ("paratrain.tasks",),
-    ("paratrain.parallel",),
-    ("paratrain.launch",),
-    ("paratrain.records",),
-    ("paratrain.models",),
-    ("paratrain.data",),
-    ("paratrain.config", "paratrain.config.checks", "paratrain.config.finetune_checks",
-     "paratrain.config.presets",
-     "paratrain.config.registry", "paratrain.dist", "paratrain.errors", "paratrain.fileio",
-     "paratrain.formatting", "paratrain.redact", "paratrain.config.model_folder", "paratrain"),
+    "paratrain",
+    "paratrain.__main__",
+    "paratrain.cli",
+    "paratrain.tools",
+    "paratrain.trainer",
+    "paratrain.runtime",
+    "paratrain.checkpoint",
+    "paratrain.runplan",
+    "paratrain.tasks",
+    "paratrain.parallel",
+    "paratrain.launch",
+    "paratrain.records",
+    "paratrain.models",
+    "paratrain.data",
+    "paratrain.config",
+    "paratrain.dist",
+    "paratrain.fileio",
+    "paratrain.formatting",
+    "paratrain.redact",
+    "paratrain.errors",
 ]
 
 
-def _place(module: str) -> tuple[int, str]:
-    """(layer index, the unit it belongs to): the longest prefix named in LAYERS."""
-    best = None
-    for i, units in enumerate(LAYERS):
-        for unit in units:
-            if (module == unit or module.startswith(unit + ".")) and \
-                    (best is None or len(unit) > len(best[1])):
-                best = (i, unit)
-    assert best is not None, f"{module} is in no layer of LAYERS: add it there and to the map"
-    return best
+def _place(module: str) -> int:
+    """The layer a module belongs to: its unit's (the package's own __init__ is `paratrain`)."""
+    for i, unit in enumerate(LAYERS):
+        if module == unit or unit != "paratrain" and module.startswith(unit + "."):
+            return i
+    raise AssertionError(f"{module} is in no layer of LAYERS: add it there and to the map")
 
 
 def test_packages_import_only_the_layers_below_them():
     wrong = []
     for module, deps in sorted(_graph().items()):
-        layer, unit = _place(module)
+        layer = _place(module)
         for dep in sorted(deps):
-            dep_layer, dep_unit = _place(dep)
-            loose = len(LAYERS[layer]) > 1  # a layer of single modules, not one package
-            if dep_unit != unit and (dep_layer < layer or dep_layer == layer and not loose):
-                wrong.append(f"{module} (layer {layer}: {unit}) imports {dep} "
-                             f"(layer {dep_layer}: {dep_unit})")
-    assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
+            if _place(dep) < layer:
+                wrong.append(f"{module} ({LAYERS[layer]}) imports {dep} "
+                             f"({LAYERS[_place(dep)]}, a layer above)")
+    assert not wrong, "imports that point up:\n" + "\n".join(wrong)

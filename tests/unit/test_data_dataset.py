@@ -98,18 +98,18 @@ def test_padded_split_keeps_every_token_of_long_documents(prepared):
     assert [ds[i]["input_ids"].tolist() for i in starts] == \
         [cut[d]["input_ids"].tolist() for d in range(len(cut))]  # first rows as truncate's
     cfg = DataConfig(seq_length=L, format="padded", padded_overflow="split")
-    assert len(build_dataset(prepared, "train", cfg)) == len(ds)
+    assert len(build_dataset(prepared, "train", cfg, packed=False)) == len(ds)
     with pytest.raises(IndexError):
         ds[len(ds)]
 
 
 def test_build_dataset_collate_and_pickle(prepared):
     cfg = DataConfig(seq_length=8, format="padded")
-    ds = build_dataset(prepared, "val", cfg)
+    ds = build_dataset(prepared, "val", cfg, packed=False)
     assert isinstance(ds, PaddedDataset)
     batch = collate([ds[0], ds[1]])
     assert batch["input_ids"].shape == batch["attention_mask"].shape == (2, 8)
-    packed = build_dataset(prepared, "train", DataConfig(seq_length=8))
+    packed = build_dataset(prepared, "train", DataConfig(seq_length=8), packed=True)
     packed[0]  # opens the memmap
     clone = pickle.loads(pickle.dumps(packed))
     assert clone._tokens is None and torch.equal(clone[3]["targets"], packed[3]["targets"])

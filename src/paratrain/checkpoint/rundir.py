@@ -96,7 +96,7 @@ def prepare_run_dir(cfg: TrainConfig, resumed_step: Optional[int]) -> Path:
         else:
             (run_dir / name).unlink(missing_ok=True)
     (run_dir / "summary.json").unlink(missing_ok=True)
-    atomic_write_text(run_dir / "config.yaml", cfg.to_yaml(redact=True))
+    atomic_write_text(run_dir / "config.yaml", cfg.to_yaml(redact=True, record_task=True))
     return run_dir
 
 

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import ConfigError, check_choice
-from .finetune_checks import check_data_format, check_hf_corpus_tokenizer
 from ..formatting import one_of
+from . import registry
+from .defaults import resolve_tokenizer
+from .finetune_checks import check_data_format, check_hf_corpus_tokenizer
 from .model_folder import check_weights
 from .presets import ARCHS, resolve_model_config
-from . import registry
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
@@ -28,7 +29,6 @@ INITS = ("gpt2", "torch")
 # trainer.pipeline_schedule -> the stages each process runs (interleaved: 2, "virtual" stages;
 # zero-bubble: the interleaved placement too; parallel/pipeline_schedules.py says what each is)
 PIPELINE_SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "zero-bubble": 2}
-PRETRAINING_RUN_NAME = "stdlib-llama"  # run.name of a run that fine-tunes nothing
 
 
 def parse_nnodes(value: Any) -> tuple[int, int]:
@@ -48,45 +48,12 @@ def parse_nnodes(value: Any) -> tuple[int, int]:
     return low, high
 
 
-def resolve_tokenizer(data: Any, model: Any = None) -> str:
-    """What data.tokenizer means, decided here and nowhere else: `bpe`, `char`, or a pretrained
-    tokenizer's folder. `auto` (the default) is the model's own tokenizer, model.path's, for
-    model.arch=hf (a pretrained model's embeddings are indexed by its own ids: nothing is
-    retrained), and a BPE trained on the corpus for a model from scratch (or no model given).
-    `data`, `model`: the config's DataConfig and ModelConfig."""
-    if data.tokenizer != "auto":
-        return data.tokenizer
-    if model is not None and model.arch == "hf" and model.path:
-        return model.path
-    return "bpe"
-
-
-def default_run_name(cfg: Any) -> str:
-    """run.name when unset: a fine-tuning run is named after its model folder and data.format
-    (`my-model-pairs`, `-lora` with adapters), and the objective when it is not the format's
-    first (`my-model-preference-reward`, `t5-pairs-seq2seq`), so that two fine-tunes of
-    different models, or of one model on different tasks, do not land in one run dir; anything
-    else is stdlib-llama."""
-    spec = registry.get(cfg.data.format) if cfg.data.format in registry.names() else None
-    if spec is None or not spec.pretrained or not cfg.model.path:
-        return PRETRAINING_RUN_NAME
-    folder = Path(cfg.model.path).expanduser()
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", (folder.name or folder.resolve().name)).strip("-.")
-    try:
-        chosen = registry.for_config(cfg)
-    except ConfigError:  # validate says why, in its own words
-        chosen = spec
-    return (f"{stem or 'model'}-{cfg.data.format}"
-            + (f"-{chosen.objective}" if chosen is not spec else "")
-            + ("-lora" if cfg.model.lora.r else ""))
-
-
 def validate(cfg: Any) -> None:
     """Checks that need no process, on a TrainConfig. Raises ConfigError naming the key."""
     check_choice("model.arch", cfg.model.arch, ARCHS + ("hf",))
     check_choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
     check_choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
-    spec = registry.for_config(cfg)  # an unknown name lists the registered ones
+    spec = cfg.task  # decided once; an unknown name lists the registered ones
     check_choice("data.padded_overflow", cfg.data.padded_overflow, ("truncate", "split"))
     check_data_format(cfg, spec)
     check_choice("distributed.backend", cfg.distributed.backend, BACKENDS)
@@ -190,7 +157,7 @@ def _check_pipeline(cfg: Any, spec: registry.TaskSpec, args: Any) -> None:
         return
     key = f"trainer.pipeline_parallel={pp}"
     refusals = [
-        (args is None or not spec.packed, f"{key} splits the built-in llama / gpt models "
+        (args is None or not spec.pipelined, f"{key} splits the built-in llama / gpt models "
          f"(model.arch=llama|gpt) trained on data.format=packed; it cannot split "
          f"{'a Hugging Face model' if args is None else f'data.format={cfg.data.format}'}; "
          "use trainer.pipeline_parallel=1"),

@@ -12,15 +12,15 @@ from typing import Any
 
 from ..errors import ConfigError, check_choice
 from ..formatting import one_of
+from . import registry
+from .defaults import lora_targets, resolve_max_length
 from .model_folder import (
     TOKENIZER_MARKERS,
     has_tokenizer,
     has_weights,
+    model_config,
     model_positions,
-    resolve_max_length,
 )
-from . import registry
-from .registry import model_config  # one home: the registry reads config.json too
 
 TOKENIZERS = ("auto", "bpe", "char")
 LORA_BIASES = ("none", "all", "lora_only")
@@ -66,15 +66,6 @@ def check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not one of: "
                           f"{', '.join(TOKENIZERS)}, or a directory (a pretrained tokenizer "
                           "saved with save_pretrained)")
-
-
-def lora_targets(lora: Any) -> Any:
-    """model.lora.target_modules as peft takes it: a list of names (a bare name is a list of
-    one), or peft's own "all-linear"."""
-    t = lora.target_modules
-    if isinstance(t, str):
-        return t if t == "all-linear" else [t]
-    return list(t) if isinstance(t, (list, tuple)) else t
 
 
 def _check_lora(lora: Any) -> None:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ConfigError
-from .registry import model_config  # one home: the registry reads config.json too
 
 # Files any one of which makes a folder loadable by transformers' AutoTokenizer.from_pretrained.
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
@@ -22,6 +21,17 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 FALLBACK_MAX_LENGTH = 1024  # data.max_length when the model's config states no limit
 
 
+def model_config(path: Optional[str]) -> dict:
+    """A model folder's config.json (or that file) as a dict ({} when missing or broken:
+    loading says why)."""
+    folder = Path(str(path)).expanduser()
+    try:
+        info = json.loads((folder / "config.json" if folder.is_dir() else folder).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def model_positions(path: Optional[str]) -> Optional[int]:
     """The longest sequence model.path's config.json says the model takes (None: not stated)."""
     info = model_config(path) if path else {}
@@ -29,15 +39,6 @@ def model_positions(path: Optional[str]) -> Optional[int]:
         if isinstance(info.get(key), int) and not isinstance(info.get(key), bool):
             return info[key]
     return None
-
-
-def resolve_max_length(data: Any, model: Any) -> int:
-    """data.max_length, decided here: the value given, else the model's own limit (its
-    config.json's max_position_embeddings), else FALLBACK_MAX_LENGTH."""
-    if data.max_length is not None:
-        return int(data.max_length)
-    limit = model_positions(model.path) if model.arch == "hf" else None
-    return limit or FALLBACK_MAX_LENGTH
 
 
 def has_tokenizer(folder: str | os.PathLike) -> bool:

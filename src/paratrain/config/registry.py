@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
+from .model_folder import model_config
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class TaskSpec:
     summary: str  # one line for listings and errors
     pretrained: bool = False  # fine-tunes model.path (model.arch=hf) with its own tokenizer
     packed: bool = False  # a corpus cut into full windows (no pads): every token counts
+    pipelined: bool = False  # its built-in llama / gpt can be cut into pipeline stages
     record_fields: tuple[str, ...] = ()  # fields of its records (the Python API's lists)
     checks: tuple[Callable[[Any], None], ...] = field(default=())  # on a TrainConfig
     generate: str = "paratrain.models.generate:generate_from_run"  # (model_dir, prompt, opts)
@@ -106,16 +108,6 @@ def for_config(cfg: Any) -> TaskSpec:
     return select(cfg.data.format, cfg.trainer.objective, model, where=f"model.path={m.path!r}")
 
 
-def model_config(path: Optional[str]) -> dict:
-    """A model folder's config.json (or that file) as a dict ({} when missing or broken:
-    loading says why)."""
-    folder = Path(str(path)).expanduser()
-    try:
-        info = json.loads((folder / "config.json" if folder.is_dir() else folder).read_text())
-    except (OSError, ValueError):
-        return {}
-    return info if isinstance(info, dict) else {}
-
 
 def names(pretrained: Optional[bool] = None) -> tuple[str, ...]:
     """Registered names in registration order (only those that do / do not fine-tune)."""
@@ -128,6 +120,19 @@ def get(name: str, key: str = "data.format") -> TaskSpec:
     if spec is None:
         raise ConfigError(f"{key}={name!r} is not one of: {', '.join(_TASKS)}")
     return spec
+
+
+def recorded(name: str, objective: str, key: str = "data.format") -> TaskSpec:
+    """The task a run recorded in its config.yaml (data.format and trainer.objective, as the
+    run decided them): looked up, not decided again; `auto` (a run that recorded no decision)
+    is the format's first task."""
+    if objective == "auto":
+        return get(name, key)
+    for spec in _of(get(name, key).name):
+        if spec.objective == objective:
+            return spec
+    raise ConfigError(f"{key}={name} trains no trainer.objective={objective!r}; it trains: "
+                      f"{', '.join(s.objective for s in _of(name))}")
 
 
 DEFAULT_RECORDS = "pairs"  # what the Python API's records are when nothing else matches
@@ -219,7 +224,7 @@ def _vocabulary(folder: Path) -> Optional[dict]:
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 
 register(TaskSpec(
-    "packed", "paratrain.tasks.lm:LMTask", packed=True,
+    "packed", "paratrain.tasks.lm:LMTask", packed=True, pipelined=True,
     summary="a language model on a corpus cut into full windows of data.seq_length tokens"))
 register(TaskSpec(
     "padded", "paratrain.tasks.lm:LMTask",

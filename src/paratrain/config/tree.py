@@ -9,17 +9,19 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .checks import default_run_name, parse_nnodes, resolve_tokenizer, validate
 from ..errors import ConfigError
 from ..formatting import first_line
-from .model_folder import resolve_max_length
 from ..redact import redact_secrets
+from .checks import parse_nnodes, validate
+from .defaults import default_run_name, resolve_max_length, resolve_tokenizer
+from .registry import TaskSpec, for_config
 
 
 @dataclass
@@ -91,7 +93,7 @@ class DataConfig:
     margin_field: Optional[str] = None  # preference, reward: a field with each pair's margin
     val_source: Optional[str] = None  # pairs / chat: a validation file (else val_fraction)
     # pairs / chat / classify: tokens per example (pairs: the input is cut from the left); null:
-    # the model's max_position_embeddings (see model_folder.resolve_max_length)
+    # the model's max_position_embeddings (see defaults.resolve_max_length)
     max_length: Optional[int] = None
     chat_template: str = "auto"  # auto (the tokenizer's, if any) | none | PATH to a jinja file
     system_prompt: Optional[str] = None  # pairs / chat rendered with a chat template
@@ -308,11 +310,24 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return OmegaConf.to_container(OmegaConf.structured(self), resolve=True)  # type: ignore
 
-    def to_yaml(self, redact: bool = True) -> str:
+    def to_yaml(self, redact: bool = True, record_task: bool = False) -> str:
+        """`record_task`: trainer.objective as the task decided it (auto resolved), as a run's
+        config.yaml records it, so that `paratrain generate` reads the task instead of deciding
+        it again."""
         d = self.to_dict()
+        if record_task:
+            d["trainer"]["objective"] = self.task.objective
         return OmegaConf.to_yaml(redact_secrets(d) if redact else d)
 
     # ---- derived values -----------------------------------------------------------------
+    @cached_property
+    def task(self) -> TaskSpec:
+        """The task this config trains (data.format, trainer.objective and model.path's kind:
+        `registry.for_config`), decided once, when the config is built and checked, and carried
+        with it: pickled to the workers with the config, read by the forkserver, the memory plan
+        and export, never asked of the registry again."""
+        return for_config(self)
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
@@ -325,7 +340,7 @@ class TrainConfig:
 
     @property
     def max_length(self) -> int:
-        """data.max_length, or the model's own limit when unset (config_checks)."""
+        """data.max_length, or the model's own limit when unset (defaults.py)."""
         return resolve_max_length(self.data, self.model)
 
     @property

@@ -30,10 +30,9 @@ from typing import Callable, Iterator, List, Optional
 import numpy as np
 
 from ..config.tree import DataConfig
-from ..config.checks import resolve_tokenizer
+from ..config.defaults import resolve_tokenizer
 from ..errors import DataError
 from ..fileio import atomic_write_json
-from ..config import registry
 from .corpus import Corpus, resolve_corpus
 from .tokenizer import TOKENIZER_FILE, Tokenizer, copy_tokenizer_files, tokenizer_files_fingerprint
 
@@ -125,9 +124,11 @@ def cache_path(cfg: DataConfig, cache_root: str | os.PathLike) -> Path:
 
 
 def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
-                 log: Callable[[str], None] = print) -> PreparedData:
+                 log: Callable[[str], None] = print, packed: bool = True) -> PreparedData:
     """Reuse the cache for this config, or build it. Call on one process per node (local rank
-    0, or one per shared filesystem); the others call `wait_for_data`."""
+    0, or one per shared filesystem); the others call `wait_for_data`. `packed`: whether the
+    task cuts the corpus into full windows (its TaskSpec), else padded rows: only the log's
+    words differ, the cache is the same."""
     corpus = resolve_corpus(cfg.source, cfg.text_field, cfg.max_bytes)
     fingerprint = data_fingerprint(cfg, corpus)
     final = Path(cache_root) / "data" / fingerprint
@@ -140,7 +141,7 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
     tmp = final.parent / f"{fingerprint}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        _build(cfg, corpus, fingerprint, tmp, log)
+        _build(cfg, corpus, fingerprint, tmp, log, packed)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -168,7 +169,7 @@ def wait_for_data(cfg: DataConfig, cache_root: str | os.PathLike, timeout_s: flo
 
 # ---- building ------------------------------------------------------------------------------
 def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
-           log: Callable[[str], None]) -> None:
+           log: Callable[[str], None], packed: bool) -> None:
     # Pass 1: count documents. Streaming three passes over the files keeps memory bounded by a
     # batch, not the corpus; the reads are cheap next to tokenization.
     sizes = [len(doc.encode("utf-8")) for doc in corpus.documents()]
@@ -190,7 +191,7 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
         copy_tokenizer_files(pretrained, out / PRETRAINED_DIR)
         log(f"tokenizer: pretrained, {tokenizer.vocab_size} tokens, from {pretrained} (documents "
             f"end with id {tokenizer.eot_id}, padded rows start with {tokenizer.bot_id})"
-            + (f"; {note}" if note and not registry.get(cfg.format).packed else ""))
+            + (f"; {note}" if note and not packed else ""))
     else:
         tokenizer_file = TOKENIZER_FILE
         tokenizer = _train_tokenizer(cfg, corpus, sizes, is_val, log)

@@ -13,7 +13,6 @@ import torch
 from torch.utils.data import Dataset
 
 from ..config.tree import DataConfig
-from ..config import registry
 from .cache import PreparedData
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
@@ -147,9 +146,11 @@ class PaddedDataset(_TokenFile):
         return {"input_ids": input_ids, "targets": targets, "attention_mask": attention_mask}
 
 
-def build_dataset(prepared: PreparedData, split: str, cfg: DataConfig) -> Dataset:
-    """Full windows (a packed format), else one document per padded row."""
-    if registry.get(cfg.format).packed:
+def build_dataset(prepared: PreparedData, split: str, cfg: DataConfig, *,
+                  packed: bool) -> Dataset:
+    """Full windows when the task packs its corpus (`packed`: its TaskSpec says so), else one
+    document per padded row."""
+    if packed:
         return PackedDataset(prepared, split, cfg.seq_length)
     m = prepared.meta
     return PaddedDataset(prepared, split, cfg.seq_length, bot_id=m["bot_id"],

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from ..errors import ConfigError
-from ..config import registry
+from ..config.model_folder import model_config
 
 # The environment this process's server started with; None: no server started here. One per
 # process, as multiprocessing's forkserver (which it describes) is one per process.
@@ -134,10 +134,10 @@ def with_environ(environ: Mapping[str, str], entrypoint: Callable[..., Any], *ar
 def worker_modules(cfg: Any) -> list[str]:
     """What a worker of this config imports before its first step. A name that does not import
     is skipped by the server (its worker then fails as a spawned one would)."""
-    spec = registry.for_config(cfg)
+    spec = cfg.task
     modules = ["paratrain.trainer", spec.task.split(":")[0]]
     if spec.pretrained:
-        kind = str(registry.model_config(cfg.model.path).get("model_type", "")).replace("-", "_")
+        kind = str(model_config(cfg.model.path).get("model_type", "")).replace("-", "_")
         modules += ["transformers", "transformers.modeling_utils"]
         if re.fullmatch(r"[a-z0-9_]+", kind):
             modules.append(f"transformers.models.{kind}.modeling_{kind}")

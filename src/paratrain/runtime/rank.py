@@ -31,7 +31,6 @@ from ..records.console import log
 from ..records.timeline import Timeline
 from ..redact import redact_url
 from ..runplan import RunPlan, auto_choice, make_plan
-from ..config import registry
 from ..tasks.base import Task, TaskRecords, token_loss_sum
 from . import optim
 from .loop import TrainLoop
@@ -193,7 +192,7 @@ def prepare_task(cfg: TrainConfig, env: DistEnv,
     say = (lambda m: None) if quiet else (lambda m: log(env, m))
     if given is not None and not isinstance(given, TaskRecords):
         return given
-    return registry.for_config(cfg).load().prepare(cfg, env, given, say)
+    return cfg.task.load().prepare(cfg, env, given, say)
 
 
 def plan_on_ranks(cfg: TrainConfig, env: DistEnv, task: Task) -> RunPlan:

@@ -20,7 +20,7 @@ from ..config.tree import TrainConfig
 from ..errors import ConfigError
 from .base import TokenLoss
 from .hf import Encoder, PretrainedTask
-from ..config.registry import model_config
+from ..config.model_folder import model_config
 
 
 @dataclass

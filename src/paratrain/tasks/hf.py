@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..config.tree import TrainConfig
-from ..config.checks import resolve_tokenizer
+from ..config.defaults import resolve_tokenizer
 from ..config.model_folder import check_embeddings
 from ..data.encoded import Encoded, fingerprint, load_or_encode
 from ..data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files

@@ -18,7 +18,6 @@ from ..dist import DistEnv
 from ..formatting import human_count
 from ..models.hf import HFArgs
 from ..config.presets import ModelArgs
-from ..config import registry
 from .base import MemoryProbe, NoFrozenModels, TaskRecords, TokenLoss
 
 
@@ -43,7 +42,7 @@ class LMTask(NoFrozenModels, TokenLoss):
         from ..models import resolve_model_config
         data = cfg.corpus_data  # data.tokenizer=auto decided for the model (config.py)
         if env.is_local_master:
-            prepared = prepare_data(data, cfg.cache_dir, log=log)
+            prepared = prepare_data(data, cfg.cache_dir, log=log, packed=cfg.task.packed)
         else:
             prepared = wait_for_data(data, cfg.cache_dir, timeout_s=3600.0)
         if cfg.model.arch == "hf":
@@ -52,8 +51,8 @@ class LMTask(NoFrozenModels, TokenLoss):
         vocab = cfg.model.vocab_size or prepared.vocab_size  # the tokenizer's
         args = HFArgs(cfg.model.path, vocab) if cfg.model.arch == "hf" else \
             resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
-        train = build_dataset(prepared, "train", cfg.data)
-        if not registry.get(cfg.data.format).packed:  # padded: what long documents become
+        train = build_dataset(prepared, "train", cfg.data, packed=cfg.task.packed)
+        if not cfg.task.packed:  # padded: what long documents become
             n, extra = train.overflow_summary()
             if n:
                 log(f"data: {n} of {train.num_docs} training documents are longer than "
@@ -61,7 +60,7 @@ class LMTask(NoFrozenModels, TokenLoss):
                         f"data.padded_overflow=truncate drops their {extra:,} later tokens "
                         "(split keeps them as more rows)" if cfg.data.padded_overflow ==
                         "truncate" else f"split into {len(train)} rows in all"))
-        return cls(cfg, prepared, args, train, build_dataset(prepared, "val", cfg.data))
+        return cls(cfg, prepared, args, train, build_dataset(prepared, "val", cfg.data, packed=cfg.task.packed))
 
     @property
     def is_hf(self) -> bool:
@@ -87,7 +86,7 @@ class LMTask(NoFrozenModels, TokenLoss):
     @property
     def units_per_sample(self) -> Optional[int]:
         """Packed windows count every token; padded rows ignore their pads (count per batch)."""
-        return self.cfg.data.seq_length if registry.get(self.cfg.data.format).packed else None
+        return self.cfg.data.seq_length if self.cfg.task.packed else None
 
     def describe(self, n_params: int) -> str:
         return f"model {self.args.arch}: {human_count(n_params)} parameters"

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..fileio import atomic_dir
-from ..config.finetune_checks import lora_targets
+from ..config.defaults import lora_targets
 from ..formatting import human_count
 
 ADAPTER_DIR = "adapter"
