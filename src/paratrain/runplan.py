@@ -154,14 +154,15 @@ def auto_pipelines(cfg: TrainConfig, task: Task, *, world_size: int, local_world
 
 
 def pipeline_blocks(task: Task, pp: int) -> int:
-    """The blocks a pipeline splits: those of the built-in Llama / GPT of a language-model task;
-    any other model (Hugging Face, a user's module) is refused in one line."""
-    from .tasks.lm import LMTask
-    if not isinstance(task, LMTask) or task.is_hf:
+    """The blocks a pipeline splits: the task's own `pipeline_blocks` (the built-in Llama / GPT
+    of a task whose spec pipelines); any other model (Hugging Face, a user's module) is refused
+    in one line."""
+    blocks = getattr(task, "pipeline_blocks", None)
+    if blocks is None:
         raise ConfigError(f"trainer.pipeline_parallel={pp} splits the built-in llama / gpt "
                           f"models only; {type(task).__name__}'s model cannot be cut into "
                           "stages: use trainer.pipeline_parallel=1")
-    return task.args.num_layers
+    return blocks
 
 
 def steps_per_epoch(n_samples: int, global_batch: int, task: Any = None,

@@ -345,7 +345,7 @@ def test_activation_checkpointing_gives_same_output_and_grads(arch, with_mask):
 
 
 def test_models_package_and_presets_do_not_import_torch():
-    """config_checks.validate() imports models.presets; that must stay a millisecond, not a second."""
+    """Model sizes and FLOPs are read without torch: a millisecond, not a second."""
     import subprocess
     import sys
     from pathlib import Path

@@ -1,8 +1,9 @@
 """What a configuration may hold: the value sets of the choice keys, and the checks that need no
 process (`validate`), each failing with one ConfigError line that names the key and the fix.
 
-Kept apart from the config tree (config.py) so that each stays readable; it reads the tree by
-attribute, so it imports nothing from config.py (no cycle).
+Kept apart from the config tree (tree.py) so that each stays readable; it reads the tree by
+attribute, so it imports nothing from tree.py (no cycle). What an unset key resolves to is
+defaults.py's; these only check.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def validate(cfg: Any) -> None:
             check_hf_corpus_tokenizer(cfg)
         _check_pipeline(cfg, spec, None)
         return
-    # Model shape checks need the preset applied; models.presets does them (ConfigError too).
+    # Model shape checks need the preset applied; presets.py does them (ConfigError too).
     args = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
                                 seq_length=cfg.data.seq_length)
     check_tp_heads(cfg.trainer.tensor_parallel, args.num_heads, args.num_kv_heads)

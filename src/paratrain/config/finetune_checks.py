@@ -2,7 +2,7 @@
 format against the model (fine-tuning formats need model.arch=hf and its tokenizer), the task's
 own checks from the registry, LoRA's options, data.max_length against the model's positions, and
 the tokenizer a pretrained model reads a corpus with. One ConfigError line each, as in
-config_checks.py, whose `validate` calls these.
+checks.py, whose `validate` calls these.
 """
 
 from __future__ import annotations

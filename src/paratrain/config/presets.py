@@ -1,6 +1,6 @@
 """Model sizes by name, and the one function that turns `model.*` config keys into ModelArgs.
 
-No torch import here: `config_checks.validate()` calls `resolve_model_config` so that a bad shape is
+No torch import here: `checks.validate()` calls `resolve_model_config` so that a bad shape is
 reported before any process starts, and that check should cost milliseconds.
 """
 

@@ -1,7 +1,7 @@
 """The configuration tree: typed dataclasses checked by OmegaConf, YAML plus dotted overrides.
 
 Every check that can fail without starting a process runs when a config is built (the checks:
-config_checks.py; devices: `launch.parse_devices`), so that a typo costs a second, not a launch.
+checks.py; devices: `launch.parse_devices`), so that a typo costs a second, not a launch.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class LoraConfig:
 class ModelConfig:
     arch: str = "llama"  # llama | gpt | hf (a local Hugging Face causal LM at model.path)
     path: Optional[str] = None  # hf: a directory with config.json (and optionally weights)
-    preset: Optional[str] = "small"  # fills the unset sizes below; see models/presets.py
+    preset: Optional[str] = "small"  # fills the unset sizes below; see config/presets.py
     hidden_size: Optional[int] = None
     num_layers: Optional[int] = None
     num_heads: Optional[int] = None

@@ -4,8 +4,8 @@ Both take `idx` (B, T) and an optional `attention_mask` (B, T) and return logits
 both keep their transformer blocks in `model.layers` and name the block type in
 `model.block_class`, which is what FSDP wrapping and activation checkpointing need.
 
-torch is imported lazily: `config_checks.validate()` imports `models.presets`, which runs this file
-first, and checking a config should not pay the second it takes to import torch.
+torch is imported lazily: the sizes (config/presets.py, re-exported here) and `flops_per_token`
+are read by code that should not pay the second it takes to import torch.
 """
 
 from __future__ import annotations

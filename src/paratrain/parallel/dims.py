@@ -123,7 +123,7 @@ def check_tensor_parallel(tp: int, *, world: int, local_world: int,
     """One ConfigError line when `trainer.tensor_parallel=tp` cannot split this job's processes:
     it must divide the processes of a node (a TP group never spans nodes), and so the world, and
     an HSDP shard group. (That it divides the attention heads is checked with the model's shape:
-    config_checks.check_tp_heads.)"""
+    config.checks.check_tp_heads.)"""
     if tp == 1:
         return
     key = f"trainer.tensor_parallel={tp}"

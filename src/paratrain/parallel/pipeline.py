@@ -4,7 +4,7 @@ the rest.
 
 `trainer.pipeline_parallel=P` cuts a built-in Llama / GPT at block boundaries into stages (the
 embedding on the first, the final norm, the output projection and the loss on the last; how many
-blocks each: config_checks.pipeline_split). Stage s runs on the ranks of pipeline coordinate
+blocks each: config.checks.pipeline_split). Stage s runs on the ranks of pipeline coordinate
 s mod P (interleaved-1f1b gives each process 2 stages, s and s + P); only one activation per
 micro-batch crosses between stages, which is why the pipeline dimension is outermost in the mesh
 (parallel/dims.py): it may span slow links between nodes.

@@ -1,7 +1,7 @@
 """What each `trainer.pipeline_schedule` is: the torch.distributed.pipelining class that runs it,
 the micro-batches' activations it keeps in flight on the first stage (the memory plan's figure),
 and its ideal bubble (`paratrain bench`'s figure). How many stages each process runs is the
-config table's (config_checks.PIPELINE_SCHEDULES), checked before anything is imported.
+config table's (config.checks.PIPELINE_SCHEDULES), checked before anything is imported.
 
 With P processes in the pipeline, V stages per process and M micro-batches per step, counting
 time in one stage's forward (F), backward for its input (B) and backward for its weights (W),

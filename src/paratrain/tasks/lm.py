@@ -40,7 +40,7 @@ class LMTask(NoFrozenModels, TokenLoss):
         (`records`: always None; a corpus is read from data.source.)"""
         from ..data import build_dataset, prepare_data, wait_for_data
         from ..models import resolve_model_config
-        data = cfg.corpus_data  # data.tokenizer=auto decided for the model (config.py)
+        data = cfg.corpus_data  # data.tokenizer=auto decided for the model (config/defaults.py)
         if env.is_local_master:
             prepared = prepare_data(data, cfg.cache_dir, log=log, packed=cfg.task.packed)
         else:
@@ -60,7 +60,8 @@ class LMTask(NoFrozenModels, TokenLoss):
                         f"data.padded_overflow=truncate drops their {extra:,} later tokens "
                         "(split keeps them as more rows)" if cfg.data.padded_overflow ==
                         "truncate" else f"split into {len(train)} rows in all"))
-        return cls(cfg, prepared, args, train, build_dataset(prepared, "val", cfg.data, packed=cfg.task.packed))
+        val = build_dataset(prepared, "val", cfg.data, packed=cfg.task.packed)
+        return cls(cfg, prepared, args, train, val)
 
     @property
     def is_hf(self) -> bool:
@@ -87,6 +88,12 @@ class LMTask(NoFrozenModels, TokenLoss):
     def units_per_sample(self) -> Optional[int]:
         """Packed windows count every token; padded rows ignore their pads (count per batch)."""
         return self.cfg.data.seq_length if self.cfg.task.packed else None
+
+    @property
+    def pipeline_blocks(self) -> Optional[int]:
+        """The blocks a pipeline may cut into stages: the built-in model's, when its task
+        pipelines (TaskSpec.pipelined, checked with the config); None: it cannot be cut."""
+        return self.args.num_layers if self.cfg.task.pipelined and not self.is_hf else None
 
     def describe(self, n_params: int) -> str:
         return f"model {self.args.arch}: {human_count(n_params)} parameters"
