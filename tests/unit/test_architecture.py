@@ -134,3 +134,16 @@ def test_packages_import_only_the_layers_below_them():
                 wrong.append(f"{module} ({LAYERS[layer]}) imports {dep} "
                              f"({LAYERS[_place(dep)]}, a layer above)")
     assert not wrong, "imports that point up:\n" + "\n".join(wrong)
+
+
+def test_the_task_is_decided_in_one_place():
+    """`registry.for_config` (which task a config trains) is called by TrainConfig.task alone:
+    everything else reads the config's decision."""
+    callers = set()
+    for f in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and (
+                    getattr(node.func, "attr", None) == "for_config"
+                    or getattr(node.func, "id", None) == "for_config"):
+                callers.add(_module_name(f))
+    assert callers == {"paratrain.config.tree"}, callers

@@ -75,3 +75,23 @@ def test_a_new_task_is_one_registration(monkeypatch):
     assert lines == ["numbers: 64 samples"]
     with pytest.raises(ValueError, match="registered already"):
         registry.register(spec)
+
+
+def test_the_task_is_decided_once_and_travels_with_the_config(monkeypatch):
+    """Building a config decides its task (registry.for_config, once); a pickled copy (what a
+    worker gets) carries the decision, and a run's config.yaml records it for `generate`."""
+    import pickle
+
+    import paratrain.config.tree as tree
+    calls = []
+    monkeypatch.setattr(tree, "for_config", lambda cfg: calls.append(cfg) or
+                        registry.for_config(cfg))
+    cfg = TrainConfig.from_yaml(None, ["data.format=padded"])
+    clone = pickle.loads(pickle.dumps(cfg))
+    assert clone.task == cfg.task == registry.get("padded") and len(calls) == 1
+    assert "objective: lm" in cfg.to_yaml(record_task=True)
+    assert "objective: auto" in cfg.to_yaml()
+    assert registry.recorded("preference", "reward").task.endswith("RewardTask")
+    assert registry.recorded("pairs", "auto") == registry.get("pairs")
+    with pytest.raises(ConfigError, match="data.format=pairs trains no trainer.objective='dpo'"):
+        registry.recorded("pairs", "dpo")
