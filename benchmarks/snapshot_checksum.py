@@ -41,7 +41,7 @@ def _state(preset: str) -> dict:
 
     from paratrain.config import ModelConfig
     from paratrain.models import build_model
-    from paratrain.models.presets import resolve_model_config
+    from paratrain.config.presets import resolve_model_config
     torch.manual_seed(0)
     model = build_model(resolve_model_config(ModelConfig(preset=preset), vocab_size=4096,
                                              seq_length=256))
