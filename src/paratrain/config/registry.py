@@ -8,8 +8,9 @@ compares `data.format` to a string.
 
 One format may serve several tasks: preference records train a DPO policy or a reward model
 (`trainer.objective`), and input->output pairs train a causal LM or an encoder-decoder model
-(what model.path is). `for_config` picks the one task of a config, once; `get` is a format's
-first (default) task.
+(what model.path is). `for_config` picks the one task of a config, once, for `TrainConfig.task`
+(which carries the decision from then on); `get` is a format's first (default) task; `recorded`
+the task a run's config.yaml recorded.
 
 Adding a task is one module (its Task class) plus one `register(TaskSpec(...))` line below.
 """
