@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from torch import nn
 
 from .checkpoint.rundir import check_run_dir
+from .config import registry
 from .config.tree import TrainConfig
 from .dist import DistEnv, restart_attempt
 from .errors import ConfigError, Interrupted
@@ -30,7 +31,6 @@ from .records.timeline import Timeline
 from .runplan import RunPlan, auto_choice, check_elastic_batch, check_elastic_layout, \
     make_plan
 from .runtime.rank import prepare_task, run_rank
-from .config import registry
 from .tasks.base import Task, TaskRecords, check_picklable
 from .tasks.user import UserTask
 

@@ -29,8 +29,8 @@ from typing import Callable, Iterator, List, Optional
 
 import numpy as np
 
-from ..config.tree import DataConfig
 from ..config.defaults import resolve_tokenizer
+from ..config.tree import DataConfig
 from ..errors import DataError
 from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus

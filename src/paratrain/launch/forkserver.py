@@ -27,8 +27,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from ..errors import ConfigError
 from ..config.model_folder import model_config
+from ..errors import ConfigError
 
 # The environment this process's server started with; None: no server started here. One per
 # process, as multiprocessing's forkserver (which it describes) is one per process.

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .generate import generate
 from ..config.presets import PRESETS, ModelArgs, resolve_model_config
+from .generate import generate
 
 if TYPE_CHECKING:
     import torch.nn as nn

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .llama import check_input, gpt2_init
 from ..config.presets import ModelArgs
+from .llama import check_input, gpt2_init
 
 
 class CausalSelfAttention(nn.Module):

@@ -16,11 +16,11 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from ..config.model_folder import model_config
 from ..config.tree import TrainConfig
 from ..errors import ConfigError
 from .base import TokenLoss
 from .hf import Encoder, PretrainedTask
-from ..config.model_folder import model_config
 
 
 @dataclass

@@ -20,9 +20,9 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 import torch
 from torch import nn
 
-from ..config.tree import TrainConfig
 from ..config.defaults import resolve_tokenizer
 from ..config.model_folder import check_embeddings
+from ..config.tree import TrainConfig
 from ..data.encoded import Encoded, fingerprint, load_or_encode
 from ..data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from ..dist import DistEnv

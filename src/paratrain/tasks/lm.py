@@ -11,13 +11,13 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from torch import nn
 
-from ..config.tree import TrainConfig
 from ..config.model_folder import check_embeddings, has_weights
+from ..config.presets import ModelArgs
+from ..config.tree import TrainConfig
 from ..data.cache import PreparedData
 from ..dist import DistEnv
 from ..formatting import human_count
 from ..models.hf import HFArgs
-from ..config.presets import ModelArgs
 from .base import MemoryProbe, NoFrozenModels, TaskRecords, TokenLoss
 
 

@@ -20,9 +20,9 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from ..config.defaults import lora_targets
 from ..errors import ConfigError
 from ..fileio import atomic_dir
-from ..config.defaults import lora_targets
 from ..formatting import human_count
 
 ADAPTER_DIR = "adapter"
