@@ -95,6 +95,7 @@ def test_help_config_show_and_config_errors_do_not_import_torch():
 # Two tables with no dependencies of their own sit at the bottom beside config, which reads
 # them: models.presets (model sizes) and tasks.registry (task names).
 LAYERS = [
+    ("paratrain.cli_docs",),  # the docs site's Command line page, made from cli's parser
     ("paratrain.cli", "paratrain.__main__"),
     ("paratrain.tools",),
     ("paratrain.trainer",),
@@ -107,7 +108,7 @@ LAYERS = [
     ("paratrain.records",),
     ("paratrain.models",),
     ("paratrain.data",),
-    ("paratrain.config", "paratrain.config_checks", "paratrain.finetune_checks",
+    ("paratrain.config", "paratrain.config_docs", "paratrain.config_checks", "paratrain.finetune_checks",
      "paratrain.models.presets",
      "paratrain.tasks.registry", "paratrain.dist", "paratrain.errors", "paratrain.fileio",
      "paratrain.formatting", "paratrain.redact", "paratrain.model_folder", "paratrain"),
