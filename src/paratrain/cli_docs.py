@@ -20,7 +20,7 @@ def _commands(parser: argparse.ArgumentParser, name: str
 
 
 def _fixed_width(prog: str) -> argparse.HelpFormatter:
-    return argparse.HelpFormatter(prog, width=96)
+    return argparse.HelpFormatter(prog, width=76, max_help_position=28)
 
 
 def cli_markdown() -> str:

@@ -9,6 +9,7 @@ comments, the "unknown config key" error's suggestions and the docs site's refer
 from __future__ import annotations
 
 import ast
+import re
 import dataclasses
 import difflib
 import inspect
@@ -68,9 +69,9 @@ class KeyDoc:
 
     @property
     def summary(self) -> str:
-        """The description's first sentence (what a one-line listing shows)."""
-        first = self.help.split(". ")[0].split("; ")[0]
-        return first.rstrip(".")
+        """The description's first clause, at most 90 characters (what an error line shows)."""
+        first = re.split(r"\. |; |: ", self.help)[0].rstrip(".")
+        return first if len(first) <= 90 else first[:87] + "..."
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -125,20 +126,23 @@ def lookup(root: type, key: str) -> Optional[KeyDoc]:
 
 def closest(root: type, key: str, n: int = 3) -> list[KeyDoc]:
     """The keys a mistyped `key` most likely meant: the same name in another section first (a
-    right name in the wrong place), then the nearest spellings."""
-    name = key.rsplit(".", 1)[-1]
-    same_name = [k for k in all_keys(root) if k.key.rsplit(".", 1)[-1] == name]
-    near = difflib.get_close_matches(key, [k.key for k in all_keys(root)], n=n, cutoff=0.6)
-    picked = same_name + [lookup(root, k) for k in near]
-    unique = list(dict.fromkeys(k for k in picked if k is not None))
-    return unique[:n]
+    right name in the wrong place), then near spellings in the same section, then anywhere."""
+    keys = all_keys(root)
+    section, _, name = key.rpartition(".")
+    same_name = [k.key for k in keys if k.key.rsplit(".", 1)[-1] == name]
+    siblings = {k.key.rsplit(".", 1)[-1]: k.key for k in keys
+                if k.key.rpartition(".")[0] == section}
+    near_name = [siblings[m] for m in difflib.get_close_matches(name, list(siblings), cutoff=0.75)]
+    near_key = difflib.get_close_matches(key, [k.key for k in keys], cutoff=0.85)
+    picked = dict.fromkeys(same_name + near_name + near_key)
+    return [d for d in (lookup(root, k) for k in list(picked)[:n]) if d is not None]
 
 
 def unknown_key_message(root: type, key: str) -> str:
     """The one line for an unknown key: the closest keys with what they mean."""
     near = closest(root, key)
     hint = "; ".join(f"{k.key} ({k.summary})" for k in near)
-    did_you_mean = f"; did you mean {hint}?" if near else ""
+    did_you_mean = f"; did you mean {hint}?" if near else ";"
     return (f"unknown config key {key!r}{did_you_mean} `paratrain config show --all` lists "
             "every key")
 
@@ -168,7 +172,7 @@ def format_value(value: Any) -> str:
 
 def annotated_yaml(root: type, values: dict, everything: bool) -> str:
     """`values` (a resolved config as a dict) as YAML with each key's description as a comment
-    above it: the common keys (COMMON), or every key."""
+    above it: the common keys (COMMON), or every key (`everything`)."""
     lines: list[str] = []
     current: list[str] = []
     for doc in all_keys(root):
@@ -182,14 +186,22 @@ def annotated_yaml(root: type, values: dict, everything: bool) -> str:
                 lines.append("  " * depth + part + ":")
         current = parts[:-1]
         indent = "  " * (len(parts) - 1)
-        text = doc.help if everything else doc.summary
-        lines += textwrap.wrap(text, 100, initial_indent=indent + "# ",
+        lines += textwrap.wrap(doc.help, 100, initial_indent=indent + "# ",
                                subsequent_indent=indent + "# ")
         value = values
         for part in parts:
             value = value[part]
         lines.append(f"{indent}{parts[-1]}: {format_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+def _markdown_cell(text: str) -> str:
+    """A description in a table cell: pipes escaped, and < > outside `code` shown, not read as
+    HTML (runs/<run.name>)."""
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts).replace("|", "\\|")
 
 
 def reference_markdown(root: type) -> str:
@@ -209,7 +221,7 @@ def reference_markdown(root: type) -> str:
                 out += [f"### {title}", ""]
             out += ["| key | default | meaning |", "|---|---|---|"]
             for k in keys:
-                cell = k.help.replace("|", "\\|")
+                cell = _markdown_cell(k.help)
                 default = format_value(k.default).replace("|", "\\|")
                 out.append(f"| `{k.key}` | `{default}` | {cell} |")
             out.append("")
