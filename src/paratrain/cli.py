@@ -289,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     cs = csub.add_parser("show", help="print the resolved config as YAML, each key described",
                          description="The resolved configuration (defaults, then CONFIG.yaml, "
                                      "then the overrides) as YAML, each key with its "
-                                     "description as a comment: the common keys, or with "
-                                     "--all every key.")
+                                     "description as a comment: the common keys and those "
+                                     "set to other than their default, or with --all every "
+                                     "key.")
     cs.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
     cs.add_argument("--all", action="store_true", help="every key, not only the common ones")
     cs.set_defaults(func=cmd_config_show)

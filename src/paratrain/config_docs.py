@@ -172,13 +172,17 @@ def format_value(value: Any) -> str:
 
 def annotated_yaml(root: type, values: dict, everything: bool) -> str:
     """`values` (a resolved config as a dict) as YAML with each key's description as a comment
-    above it: the common keys (COMMON), or every key (`everything`)."""
+    above it: the common keys (COMMON) and those set to other than their default, or every key
+    (`everything`)."""
     lines: list[str] = []
     current: list[str] = []
     for doc in all_keys(root):
-        if not everything and doc.key not in COMMON:
-            continue
         parts = doc.key.split(".")
+        value = values
+        for part in parts:
+            value = value[part]
+        if not (everything or doc.key in COMMON or value != doc.default):
+            continue
         for depth, part in enumerate(parts[:-1]):  # open the sections this key is in
             if current[:depth + 1] != parts[:depth + 1]:
                 if depth == 0 and lines:
@@ -188,9 +192,6 @@ def annotated_yaml(root: type, values: dict, everything: bool) -> str:
         indent = "  " * (len(parts) - 1)
         lines += textwrap.wrap(doc.help, 100, initial_indent=indent + "# ",
                                subsequent_indent=indent + "# ")
-        value = values
-        for part in parts:
-            value = value[part]
         lines.append(f"{indent}{parts[-1]}: {format_value(value)}")
     return "\n".join(lines) + "\n"
 
@@ -212,7 +213,8 @@ def reference_markdown(root: type) -> str:
            "file (`trainer:` then `  max_steps: 100`), as a dotted override "
            "(`paratrain train trainer.max_steps=100`) or, from Python, "
            "`TrainConfig.from_yaml(path, overrides=[...])`. `paratrain config show` prints the "
-           "common keys with their values, `paratrain config show --all` every one.", ""]
+           "common keys and those you set, with their values; `paratrain config show --all` "
+           "every key.", ""]
     sections = section_docs(root)
     for section, intro in sections.items():
         out += [f"## `{section}`", "", intro, ""]

@@ -55,6 +55,8 @@ def test_config_show_common_and_all(capsys):
     shown = _flat(yaml.safe_load(common))
     assert set(shown) == config_docs.COMMON and shown["trainer.max_steps"] == 7
     assert "# Optimizer steps to train" in common
+    assert main(["config", "show", "data.num_workers=1"]) == 0  # a key set is shown too
+    assert _flat(yaml.safe_load(capsys.readouterr().out))["data.num_workers"] == 1
     assert main(["config", "show", "--all"]) == 0
     every = _flat(yaml.safe_load(capsys.readouterr().out))
     assert every == _flat(TrainConfig.from_yaml(None).to_dict())
