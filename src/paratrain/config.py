@@ -2,6 +2,8 @@
 
 Every check that can fail without starting a process runs when a config is built (the checks:
 config_checks.py; devices: `launch.parse_devices`), so that a typo costs a second, not a launch.
+The docstring under each field is that key's one description: `paratrain config show`, the
+unknown-key error and the docs' Config keys page are made from it (config_docs.py).
 """
 
 from __future__ import annotations
@@ -390,25 +392,15 @@ class PlanConfig:
 class TrainConfig:
     """The whole configuration: YAML sections and dotted `key=value` overrides."""
     run: RunConfig = field(default_factory=RunConfig)
-    """Run dir."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """The model."""
     data: DataConfig = field(default_factory=DataConfig)
-    """The data."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """Devices, parallelism and the loop."""
     optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimizer and schedule."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
-    """DPO."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Snapshots."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    """Nodes and processes."""
     log: LogConfig = field(default_factory=LogConfig)
-    """Run records."""
     plan: PlanConfig = field(default_factory=PlanConfig)
-    """`paratrain plan`'s layout."""
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -509,7 +501,8 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
                 "trainer.epochs=N; to train by steps set trainer.max_steps=N (epochs is then "
                 "unused)")
     if "Incompatible value 'None'" in msg:
-        return f"{key} cannot be null; give it a value (`paratrain config show --all` lists defaults)"
+        return (f"{key} cannot be null; give it a value (`paratrain config show --all` lists "
+                "defaults)")
     if "Value '" in msg and ("could not be converted" in msg or "is not a valid" in msg):
         value = getattr(e, "value", None)
         typ = getattr(e, "ref_type", None) or getattr(e, "object_type", None)

@@ -56,10 +56,8 @@ distributed.master_port
 
 @dataclass(frozen=True)
 class KeyDoc:
-    """One config key: its dotted name, its type as written in config.py, its default and the
-    description under its field."""
+    """One config key: its dotted name, its default and the description under its field."""
     key: str
-    type: str
     default: Any
     help: str
 
@@ -102,8 +100,7 @@ def _walk(cls: type, prefix: str) -> Iterator[KeyDoc]:
         if dataclasses.is_dataclass(default):
             yield from _walk(type(default), f"{prefix}{f.name}.")
             continue
-        typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        yield KeyDoc(prefix + f.name, typ, default, docs.get(f.name, ""))
+        yield KeyDoc(prefix + f.name, default, docs.get(f.name, ""))
 
 
 @lru_cache(maxsize=4)
