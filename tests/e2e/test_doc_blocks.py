@@ -6,10 +6,13 @@ copies them. A block that cannot run here says why on the line before its fence
 that need a folder built for them, such as the fine-tuning guide's tiny local model).
 
 The runnable blocks are fast as printed (configs/tiny.yaml: 20 steps of a tiny model), so
-nothing is shortened behind the reader's back."""
+nothing is shortened behind the reader's back. A `paratrain train` command printed on two pages
+(the README's first example opens Get started too) is trained once per session and its run dirs
+copied into the second page's folder, as tests/_runs.py shares a session's runs."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -39,7 +42,25 @@ def test_every_block_runs_or_says_why():
     assert "README.md" in RUNNABLE and "docs/get-started.md" in RUNNABLE
 
 
-def _run_command(args: list[str], cwd: Path, where: str) -> None:
+_TRAINED: dict[tuple[str, ...], tuple[Path, list[str]]] = {}  # command -> (cwd, run dirs made)
+
+
+def _train_once(args: list[str], cwd: Path, where: str) -> None:
+    """`paratrain train ...` as printed, or the run dirs the same command made on an earlier
+    page, copied."""
+    if tuple(args) in _TRAINED:
+        first_cwd, made = _TRAINED[tuple(args)]
+        for name in made:
+            shutil.copytree(first_cwd / "runs" / name, cwd / "runs" / name)
+        return
+    before = {p.name for p in (cwd / "runs").glob("*")}
+    _run_command(args, cwd, where, cached=False)
+    _TRAINED[tuple(args)] = (cwd, sorted({p.name for p in (cwd / "runs").glob("*")} - before))
+
+
+def _run_command(args: list[str], cwd: Path, where: str, cached: bool = True) -> None:
+    if cached and args[:2] == ["paratrain", "train"]:
+        return _train_once(args, cwd, where)
     if args[0] in ("paratrain", ".venv/bin/paratrain"):
         r = run_cli(args[1:], cwd=cwd, timeout=400)
     elif args[0] in ("python", "python3"):
