@@ -9,10 +9,10 @@ comments, the "unknown config key" error's suggestions and the docs site's refer
 from __future__ import annotations
 
 import ast
-import re
 import dataclasses
 import difflib
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass
 from functools import lru_cache
