@@ -155,9 +155,12 @@ def at_scale(cfg) -> bool:
 
 
 def cmd_config_show(ns: argparse.Namespace) -> int:
+    from .config.docs import annotated_yaml
     from .config.tree import TrainConfig
+    from .redact import redact_secrets
     path, overrides = _split_config_args(ns.args)
-    print(TrainConfig.from_yaml(path, overrides).to_yaml(redact=True), end="")
+    values = redact_secrets(TrainConfig.from_yaml(path, overrides).to_dict())
+    print(annotated_yaml(TrainConfig, values, everything=ns.all), end="")
     return 0
 
 
@@ -281,8 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="show the resolved configuration")
     csub = c.add_subparsers(dest="config_command", metavar="ACTION")
     csub.required = True
-    cs = csub.add_parser("show", help="print the resolved config as YAML")
+    cs = csub.add_parser("show", help="print the resolved config as YAML, each key described",
+                         description="The resolved configuration (defaults, then CONFIG.yaml, "
+                                     "then the overrides) as YAML, each key with its "
+                                     "description as a comment: the common keys and those "
+                                     "set to other than their default, or with --all every "
+                                     "key.")
     cs.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value]")
+    cs.add_argument("--all", action="store_true", help="every key, not only the common ones")
     cs.set_defaults(func=cmd_config_show)
 
     dr = sub.add_parser("doctor", help="environment, devices, master address, an all-reduce and "

@@ -3,7 +3,7 @@ input->output pairs with the same masking, fp32, one process, with and without g
 accumulation. On HF's side its own Trainer with lr_scheduler_type="cosine", warmup_steps and a
 sequential sampler; on ours `data.shuffle=false optim.warmup_start_factor=0 optim.min_lr=0` and
 HF's optimizer numbers (betas 0.9/0.999, no weight decay). Per-step losses within 1e-5 (this is
-the guarantee the README's "Coming from Hugging Face Trainer" section states)."""
+the guarantee docs/guides/from-hf-trainer.md states)."""
 
 from __future__ import annotations
 

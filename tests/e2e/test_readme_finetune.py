@@ -1,4 +1,4 @@
-"""The README's "Fine-tune a pretrained model" section runs as printed: every command of its bash
+"""The fine-tuning guide (docs/guides/fine-tuning.md) runs as printed: every command of its bash
 blocks and every Python block, in a folder holding what they name (`my-model/`: a tiny local
 Llama with a chat template, built here offline; train/val pairs, chat records and labelled
 reviews), with the real CLI and real worker processes, as a new user would copy them."""
@@ -7,41 +7,30 @@ from __future__ import annotations
 
 import json
 import random
-import re
-import shlex
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import run_cli
+from tests.e2e._doc_blocks import doc_blocks
 from tests.e2e._tiny_model import make_pairs, make_tiny_llama, write_jsonl
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
 
-SECTION = "### Fine-tune a pretrained model"
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 def readme_blocks() -> tuple[list[list[str]], list[str]]:
-    """(the section's shell commands as argument lists, its Python blocks' code)."""
-    text = (REPO / "README.md").read_text()
-    start = text.index(SECTION)
-    end = text.index("\n### ", start + len(SECTION))
-    section = text[start:end]
-    commands, python = [], []
-    for lang, body in re.findall(r"```(\w+)\n(.*?)```", section, flags=re.DOTALL):
-        if lang == "python":
-            python.append(body)
-        elif lang == "bash":
-            for line in body.replace("\\\n", " ").splitlines():
-                args = shlex.split(line, comments=True)
-                if args:
-                    commands.append(args)
-    return commands, python
+    """(the fine-tuning guide's shell commands as argument lists, its Python blocks' code): the
+    blocks docs/guides/fine-tuning.md marks as run by this file."""
+    mine = [b for b in doc_blocks()
+            if b.marker == "run by" and b.reason.startswith("tests/e2e/test_readme_finetune.py")]
+    commands = [args for b in mine if b.lang == "bash" for args in b.commands()]
+    return commands, [b.code for b in mine if b.lang == "python"]
 
 
 def _reviews(n: int, seed: int) -> list[dict]:

@@ -95,6 +95,7 @@ def test_help_config_show_and_config_errors_do_not_import_torch():
 # its checks, the model folder reader, the presets and the task table, all torch-free.
 LAYERS = [
     "paratrain",
+    "paratrain.cli_docs",  # the docs site's Command line page, made from cli's parser
     "paratrain.__main__",
     "paratrain.cli",
     "paratrain.tools",

@@ -177,7 +177,7 @@ def check_tp_plan(task: Any, tp: int) -> None:
     from ..config.checks import check_tp_heads
     with torch.device("meta"):
         model = task.build_model()
-    if any(not p.requires_grad for p in model.parameters()):  # LoRA: see the README
+    if any(not p.requires_grad for p in model.parameters()):  # LoRA: see docs/scale/tensor-parallel.md
         raise ConfigError(
             f"trainer.tensor_parallel={tp} with LoRA adapters is refused: peft replaces the "
             "projections the model's plan splits with adapter wrappers, which would need a plan "
