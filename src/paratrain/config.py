@@ -258,8 +258,11 @@ class TrainConfig:
         if path is not None:
             p = Path(path)
             if not p.is_file():
-                raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file "
-                                  "or no file for the defaults")
+                key = suggest_key(str(path)) if p.suffix not in (".yaml", ".yml") else None
+                raise ConfigError(
+                    f"{str(path)!r} is read as a config file, which does not exist; " +
+                    (f"to set {key}, write {key}=VALUE (one word: no spaces around '=')" if key
+                     else "pass a YAML file or no file for the defaults"))
             try:
                 loaded = OmegaConf.create(_quote_node_range(p.read_text(), r"^(\s*nnodes:\s*)"))
             except Exception as e:  # yaml.YAMLError and friends
@@ -336,12 +339,34 @@ class TrainConfig:
         return Path(base) / "paratrain"
 
 
+def suggest_key(name: str) -> Optional[str]:
+    """The config key a misspelt or section-less `name` most likely means ("max_steps" ->
+    trainer.max_steps, "trainer.max_step" -> trainer.max_steps), or None."""
+    import difflib
+
+    from .formatting import flatten
+    keys = list(flatten(TrainConfig().to_dict()))
+    if name in keys:
+        return name
+    ending = [k for k in keys if k.endswith("." + name)]
+    if len(ending) == 1:
+        return ending[0]
+    near = difflib.get_close_matches(name, keys, n=1, cutoff=0.8)
+    return near[0] if near else None
+
+
+_WANTED = {"bool": "true or false", "boolean": "true or false", "int": "a whole number",
+           "integer": "a whole number", "float": "a number", "str": "text", "string": "text"}
+
+
 def _omegaconf_message(e: OmegaConfBaseException) -> str:
     """OmegaConf's messages are multi-line; keep the key and the fix on one line."""
     key = getattr(e, "full_key", None) or ""
     msg = first_line(e)
     if "not in struct" in msg or "Key '" in msg and "not in" in msg:
-        return f"unknown config key {key!r}; run `paratrain config show` to list the keys"
+        near = suggest_key(key)
+        return (f"unknown config key {key!r}; " + (f"did you mean {near}? " if near else "")
+                + "run `paratrain config show` to list the keys")
     if key == "trainer.epochs" and "Incompatible value 'None'" in msg:
         return ("trainer.epochs cannot be null: to train by epochs pass trainer.max_steps=null "
                 "trainer.epochs=N; to train by steps set trainer.max_steps=N (epochs is then "
@@ -350,8 +375,7 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
         return f"{key} cannot be null; give it a value (`paratrain config show` lists defaults)"
     if "Value '" in msg and ("could not be converted" in msg or "is not a valid" in msg):
         value = getattr(e, "value", None)
-        typ = getattr(e, "ref_type", None) or getattr(e, "object_type", None)
-        tname = getattr(typ, "__name__", None) or str(typ)
-        return f"{key}={value!r} has the wrong type: {msg}" if not tname else \
-            f"{key}={value!r} has the wrong type ({msg})"
+        kind = re.search(r"(?:is not a valid|converted to) (\w+)", msg)
+        wanted = _WANTED.get(kind.group(1).lower() if kind else "", "a value of another type")
+        return f"{key}={value!r} is not {wanted}; `paratrain config show` lists each key's default"
     return f"{key}: {msg}" if key else msg

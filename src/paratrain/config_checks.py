@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 
 from .errors import ConfigError, check_choice
 from .finetune_checks import check_data_format, check_hf_corpus_tokenizer
-from .formatting import one_of
+from .formatting import count_of, one_of
 from .model_folder import check_weights
 from .models.presets import ARCHS, resolve_model_config
 from .tasks import registry
@@ -234,7 +234,8 @@ def pipeline_split(num_layers: int, pp: int, schedule: str,
         return tuple(base + (i < extra) for i in range(stages))
     split = tuple(int(n) for n in split)
     if len(split) != stages:
-        raise ConfigError(f"trainer.pipeline_split={list(split)} has {len(split)} entries; "
+        raise ConfigError(f"trainer.pipeline_split={list(split)} has "
+                          f"{count_of(len(split), 'entry', 'entries')}; "
                           f"the pipeline has {per}: give one block count per stage")
     if min(split) < 1:
         raise ConfigError(f"trainer.pipeline_split={list(split)} leaves stage "
@@ -316,6 +317,22 @@ def _check_trainer_knobs(cfg: Any, spec: registry.TaskSpec) -> None:
         raise ConfigError("model.init sets how our llama / gpt models start; a Hugging Face "
                           "model (model.arch=hf) loads its weights, or its own init without "
                           "them: leave model.init unset")
+
+
+def attention_heads(cfg: Any) -> tuple[int, ...]:
+    """The model's attention and key/value head counts, where its config says them (tensor
+    parallelism must divide both); () when it does not."""
+    if cfg.model.arch == "hf":
+        info = registry.model_config(cfg.model.path)
+        heads = info.get("num_attention_heads")
+        counts = (heads, info.get("num_key_value_heads") or heads)
+    elif cfg.model.arch in ("llama", "gpt"):
+        args = resolve_model_config(cfg.model, seq_length=cfg.data.seq_length,
+                                    vocab_size=cfg.model.vocab_size or cfg.data.vocab_size)
+        counts = (args.num_heads, args.num_kv_heads)
+    else:
+        return ()
+    return tuple(c for c in counts if isinstance(c, int) and c > 0)
 
 
 def check_tp_heads(tp: int, heads: Optional[int], kv_heads: Optional[int],

@@ -392,7 +392,30 @@ def plan_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
                          requested=requested, tp=tr.tensor_parallel,
                          reshard_after_forward=tr.reshard_after_forward, pipeline=pipeline)
     rows = simulate(work, target, layouts)
-    return rows, target, choose(rows, target.capacity), work
+    return rows, target, choose(auto_rows(rows, target) or rows, target.capacity), work
+
+
+def auto_rows(rows: list[Simulated], target: Target) -> list[Simulated]:
+    """The rows `train`'s auto chooses among (runplan.auto_choice): no tensor parallelism and no
+    pipeline, which it picks only when asked for (or a pipeline, when nothing else fits)."""
+    return [r for r in rows if r.parallelism.layout(target.world).tp == 1
+            and r.parallelism.layout(target.world).pp == 1]
+
+
+def layout_keys(pick: Choice) -> str:
+    """The overrides that train a picked layout without `auto`."""
+    from .tensor import TensorParallel
+    p = pick.parallelism
+    if isinstance(p, TensorParallel):
+        keys = [f"trainer.strategy={p.data.name if p.dims.dp > 1 else 'auto'}",
+                f"trainer.tensor_parallel={p.dims.tp}"]
+    else:
+        keys = [f"trainer.strategy={p.name}"]
+    if p.offloads_to_host:
+        keys.append("trainer.cpu_offload=true")
+    elif pick.activation_checkpointing:
+        keys.append("trainer.activation_checkpointing=true")
+    return " ".join(keys)
 
 
 def format_simulation(rows: list[Simulated], target: Target, pick: Choice, work: Workload,
@@ -411,6 +434,10 @@ def format_simulation(rows: list[Simulated], target: Target, pick: Choice, work:
                      f"{human_bytes(r.sent_total):>14}")
     lines.append("* the layout the config asks for; sent: bytes each device sends per optimizer "
                  "step (--json: by mesh dimension and collective)")
-    lines.append(f"planning to {int(MARGIN * 100)}% of each device; auto picks {pick.label} "
-                 f"({pick.why})")
+    lines.append(f"planning to {int(MARGIN * 100)}% of each device; trainer.strategy=auto picks "
+                 f"{pick.label} ({pick.why}); to fix it: {layout_keys(pick)}")
+    best = choose(rows, target.capacity)
+    if best.label != pick.label:  # tensor parallelism fits earlier: auto takes it only if asked
+        lines.append(f"{best.label} fits too and comes first in auto's order, but auto uses "
+                     f"tensor parallelism only when asked: {layout_keys(best)}")
     return "\n".join(lines)
