@@ -207,6 +207,7 @@ def cmd_checkpoint_verify(ns: argparse.Namespace) -> int:
 def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
     from .checkpoint import export_target, finetune_export
     from .errors import ConfigError
+    from .redact import redact_url
     final = None if ns.model_path or ns.format == "hf" else \
         export_target.finished_model(ns.path, merge=ns.merge)
     if final is not None:  # a finished run: its final model, newer than any snapshot
@@ -227,7 +228,6 @@ def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
         print(f"wrote {export_hf(ns.path, ns.out, overwrite=ns.overwrite)}")
         return 0
     from .checkpoint.store import export_snapshot, resolve
-    from .redact import redact_url
     url = resolve(ns.path)
     print(f"wrote {export_snapshot(url, ns.out, overwrite=ns.overwrite)} from snapshot "
           f"{redact_url(url)}")

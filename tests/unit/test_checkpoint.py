@@ -250,6 +250,31 @@ def test_export_never_overwrites_what_is_at_out_unless_asked(tmp_path, capsys, m
     assert (tmp_path / "w.safetensors").stat().st_size > 100
 
 
+def test_export_of_a_finished_run_is_its_final_model_and_every_export_names_its_source(
+        tmp_path, capsys):
+    """A finished run's final model is newer than any snapshot (none is taken after the last
+    step): exporting the run gives it, and says so; a snapshot's export names the snapshot."""
+    from paratrain.cli import main
+    from paratrain.models.files import save_model
+    cfg = _cfg(tmp_path, every_steps=1, async_save="false")
+    model, opt, sched = _parts(cfg)
+    _snapshotter(cfg, model, opt, sched).save(1, {"loss_sum": 0.0, "count": 0.0})
+    run = tmp_path / "run"
+    with torch.no_grad():  # trained on after the snapshot
+        for p in model.parameters():
+            p.add_(1.0)
+    save_model(run / "model", model.state_dict(), ARGS.to_dict(), None)
+    (run / "summary.json").write_text('{"steps": 2}')
+    capsys.readouterr()
+    assert main(["checkpoint", "export", str(run), str(tmp_path / "final")]) == 0
+    assert "the finished run's final model (model/, step 2)" in capsys.readouterr().out
+    for (k, a), b in zip(model.state_dict().items(),
+                         load_model(tmp_path / "final")[0].state_dict().values()):
+        assert torch.equal(a, b), k
+    assert main(["checkpoint", "export", str(run / "checkpoints"), str(tmp_path / "s")]) == 0
+    assert f"from snapshot {run / 'checkpoints' / 'step-0000001'}" in capsys.readouterr().out
+
+
 def test_saves_every_n_steps_and_at_epoch_ends_when_asked_never_after_the_last(tmp_path):
     def saved(**ck):
         cfg = _cfg(tmp_path, **ck)

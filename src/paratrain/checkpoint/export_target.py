@@ -88,11 +88,38 @@ def finished_model(path: str, *, merge: bool) -> Optional[tuple[Path, int]]:
 
 
 def export_copy(folder: Path, out: Path, *, overwrite: bool) -> Path:
-    """OUT as a copy of a finished model `folder` (its weights alone for a .safetensors OUT)."""
-    as_file = Path(out).suffix == ".safetensors"
-    with export_target(Path(out), overwrite=overwrite, file=as_file, source=folder) as target:
+    """OUT as a copy of a finished run's model `folder` (for our own models, its weights alone
+    when OUT ends in .safetensors). The run's base model (model.path) is never OUT."""
+    out = Path(out)
+    as_file = out.suffix == ".safetensors"
+    hf = "model_type" in _json(folder / "config.json")
+    if as_file and (hf or not (folder / WEIGHTS).is_file()):
+        raise ConfigError(f"OUT {str(out)!r}: a fine-tuning run exports to a folder "
+                          "(from_pretrained reads it); pass a folder path")
+    base = (_yaml(folder.parent / "config.yaml").get("model") or {}).get("path")
+    if base and out.exists() and out.resolve() == Path(str(base)).expanduser().resolve():
+        raise ConfigError(f"OUT {str(out)!r} is the base model's folder (model.path); choose "
+                          "another folder")
+    with export_target(out, overwrite=overwrite, file=as_file, source=folder) as target:
         if as_file:
             shutil.copyfile(folder / WEIGHTS, target)
         else:
             shutil.copytree(folder, target, dirs_exist_ok=True)
-    return Path(out)
+    return out
+
+
+def _json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _yaml(path: Path) -> dict:
+    import yaml
+    try:
+        d = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return d if isinstance(d, dict) else {}
