@@ -48,9 +48,8 @@ def check_out(out: Path, *, overwrite: bool, file: bool = False,
 def export_target(out: Path, *, overwrite: bool, file: bool = False,
                   source: Optional[Path] = None) -> Iterator[Path]:
     """`check_out`, then the path for the export to write (an empty folder, or a file name); on
-    success it is
-    renamed onto OUT (a folder replacing the old one only when it passed the guard), on failure
-    it vanishes and OUT is untouched."""
+    success it is renamed onto OUT (a folder replacing the old one only when it passed the
+    guard), on failure it vanishes and OUT is untouched."""
     out = Path(out).expanduser()
     check_out(out, overwrite=overwrite, file=file, source=source)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -200,14 +200,14 @@ class Snapshotter:
                 self.store.remove(url)  # a partial snapshot: frees its space (disk full)
             except Exception:  # read-only, permissions: it stays, uncommitted (never resumed)
                 pass
-        newest, older = self._newest_intact()
+        newest, listed, older = self._newest_intact()
         n, most = self.failed_in_a_row, self.max_failed_saves
         if n >= most:
             raise CheckpointError(
                 f"{n} snapshot(s) in a row could not be written (checkpoint.max_failed_saves="
                 f"{most}), the last {redact_url(url)}: {why}; {older}. Fix the storage (space, "
                 "permissions, quota) and run the same command to continue"
-                + (" from it" if newest else " (from step 0)" if older else ""))
+                + (" from it" if newest else " (from step 0)" if listed else ""))
         log(self.env, f"warning: snapshot {redact_url(url)} could not be written ({why}); it "
                       f"was not committed and {older} ({n} failed in a row; the run stops at "
                       f"checkpoint.max_failed_saves={most})")
@@ -229,19 +229,19 @@ class Snapshotter:
             then = (f"a snapshot of its last step, {redact_url(url)}, is committed: once that is "
                     "fixed, the same command writes the model without training again")
         else:
-            newest, older = self._newest_intact()
+            newest, listed, older = self._newest_intact()
             then = ("once that is fixed, the same command " + (
                 f"continues from {redact_url(newest)} and trains the steps after it again"
-                if newest else "starts over from step 0 (no snapshot was committed)"
-                if older.startswith("no snapshot") else
-                f"continues from the newest committed snapshot it finds ({older})"))
+                if newest else "starts over from step 0 (no snapshot was committed)" if listed
+                else f"continues from the newest committed snapshot it finds ({older})"))
         return TrainingError(f"the final model could not be written to {what}; the run is not "
                              f"finished; {then}")
 
-    def _newest_intact(self) -> tuple[Optional[str], str]:
-        """Collective, after a write failed: (the newest committed snapshot, or None; the clause
-        that says so). Rank 0 lists the store in a try of its own (a failing storage may refuse
-        that too): then the newest one this run committed or resumed from is the answer."""
+    def _newest_intact(self) -> tuple[Optional[str], bool, str]:
+        """Collective, after a write failed: (the newest committed snapshot or None, whether the
+        store could be listed, the clause that says so). Rank 0 lists the store in a try of its
+        own (a failing storage may refuse that too): then the newest one this run committed or
+        resumed from is the answer."""
         newest, listed = None, False
         if self.env.is_master:
             try:
@@ -252,11 +252,12 @@ class Snapshotter:
                 newest = self.committed_url
         newest, listed = self.env.broadcast_object((newest, listed))
         if newest:
-            return newest, f"the newest committed snapshot, {redact_url(newest)}, is intact"
+            return newest, listed, (f"the newest committed snapshot, {redact_url(newest)}, is "
+                                    "intact")
         if listed:
-            return None, "no snapshot has been committed yet"
-        return None, (f"the snapshots under {redact_url(self.store.root)} could not be listed to "
-                      "say which is the newest intact one")
+            return None, listed, "no snapshot has been committed yet"
+        return None, listed, (f"the snapshots under {redact_url(self.store.root)} could not be "
+                              "listed to say which is the newest intact one")
 
     def report(self) -> dict:
         n = len(self.stalls)
