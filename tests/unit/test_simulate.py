@@ -100,7 +100,8 @@ def test_layouts_come_in_autos_order_and_the_figures_move_as_the_layouts_say():
     # takes it: tensor parallelism only when asked for (then the keys that ask for it)
     first = next(r for r in rows if r.device_bytes <= 0.8 * 80e9 and "tp" not in r.label)
     assert pick.label == first.label
-    from paratrain.parallel.simulate import format_simulation, layout_keys
+    from paratrain.parallel.memory_plan import layout_keys
+    from paratrain.parallel.simulate import format_simulation
     text = format_simulation(rows, target, pick, work, "llama3-8b")
     assert f"trainer.strategy=auto picks {pick.label} " in text and layout_keys(pick) in text
     assert layout_keys(pick).startswith("trainer.strategy=")

@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from ..formatting import human_bytes
 from .fake_world import fake_world
 from .memory import SavedTensorMeter, local_bytes
-from .memory_plan import MARGIN, Choice, Estimate, choose
+from .memory_plan import MARGIN, Choice, Estimate, choose, layout_keys
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .pipeline_schedules import in_flight
@@ -400,22 +400,6 @@ def auto_rows(rows: list[Simulated], target: Target) -> list[Simulated]:
     pipeline, which it picks only when asked for (or a pipeline, when nothing else fits)."""
     return [r for r in rows if r.parallelism.layout(target.world).tp == 1
             and r.parallelism.layout(target.world).pp == 1]
-
-
-def layout_keys(pick: Choice) -> str:
-    """The overrides that train a picked layout without `auto`."""
-    from .tensor import TensorParallel
-    p = pick.parallelism
-    if isinstance(p, TensorParallel):
-        keys = [f"trainer.strategy={p.data.name if p.dims.dp > 1 else 'auto'}",
-                f"trainer.tensor_parallel={p.dims.tp}"]
-    else:
-        keys = [f"trainer.strategy={p.name}"]
-    if p.offloads_to_host:
-        keys.append("trainer.cpu_offload=true")
-    elif pick.activation_checkpointing:
-        keys.append("trainer.activation_checkpointing=true")
-    return " ".join(keys)
 
 
 def format_simulation(rows: list[Simulated], target: Target, pick: Choice, work: Workload,
