@@ -81,7 +81,11 @@ def test_the_values_suggested_pass_every_check_of_the_key():
                                           r"of 1, 2$"):  # 3 and 6 divide 6, not the 4 heads
         check_tensor_parallel(4, world=6, local_world=6, heads=(4, 4))
     with pytest.raises(ConfigError, match=r"into equal stages; use one of 1, 2, 3$"):
-        check_pipeline_parallel(5, world=12, tp=2, max_stages=3)  # not 4: 3 a stage
+        check_pipeline_parallel(5, world=12, tp=2, max_stages=3)
+    with pytest.raises(ConfigError, match=r"does not divide model.num_heads=4 \(each rank computes "
+                                          r"whole heads\); use one of 1$"):  # 2 fails on 3
+        TrainConfig.from_yaml(None, ["model.preset=tiny", "trainer.tensor_parallel=3",
+                                     "trainer.devices=cpu:3"])  # not 4: 3 a stage
 
 
 @pytest.mark.parametrize("overrides, message", [
