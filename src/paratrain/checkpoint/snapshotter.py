@@ -350,15 +350,25 @@ class Snapshotter:
         for s in self.store.snapshots():
             if s.step <= after:
                 continue
-            if s.url in suspect:
-                dest = self.store.set_aside(s.url)
-                log(self.env, f"snapshot {redact_url(s.url)} is damaged and beyond the resume "
-                              f"point: moved aside to {redact_url(dest)}, not deleted (`paratrain "
-                              "checkpoint verify` lists such folders and how to clear them)")
-            else:
-                log(self.env, f"removing snapshot folder {redact_url(s.url)} (beyond the resume "
-                              "point)")
-                self.store.remove(s.url)
+            if s.url in suspect and self._set_aside(s.url):
+                continue
+            log(self.env, f"removing snapshot folder {redact_url(s.url)} (beyond the resume "
+                          "point)")
+            self.store.remove(s.url)
+
+    def _set_aside(self, url: str) -> bool:
+        """Rank 0: a damaged snapshot moved aside (said so); False when the storage would not
+        (it is then removed, as the steps it named are saved again)."""
+        try:
+            dest = self.store.set_aside(url)
+        except Exception as e:
+            log(self.env, f"warning: damaged snapshot {redact_url(url)} could not be moved aside "
+                          f"({first_line(e)}); it is removed")
+            return False
+        log(self.env, f"snapshot {redact_url(url)} is damaged and beyond the resume point: moved "
+                      f"aside to {redact_url(dest)}, not deleted (`paratrain checkpoint verify` "
+                      "lists such folders and how to clear them)")
+        return True
 
     def _candidates(self) -> list[tuple[str, dict]]:
         """Rank 0: the snapshots to try, newest first."""

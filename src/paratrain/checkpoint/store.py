@@ -238,7 +238,14 @@ class Store:
         while self.fs.exists(self.path_of(dest)):
             n += 1
             dest = f"{url}{SET_ASIDE}-{n}"
-        self.fs.mv(self.path_of(url), self.path_of(dest), recursive=True)
+        src, dst = self.path_of(url).rstrip("/"), self.path_of(dest)
+        if self.local:  # one rename
+            self.fs.mv(src, dst, recursive=True)
+        else:  # an object store has no folders to rename: each object copied, then removed
+            self.fs.invalidate_cache(src)
+            for f in self.fs.find(src):
+                self.fs.copy(f, dst + f[len(src):])
+            self.fs.rm(src, recursive=True)
         self.fs.invalidate_cache(self.path)
         return dest
 
