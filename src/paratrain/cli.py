@@ -64,9 +64,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     """What the run's task does with a prompt (registry: continue it, answer it, label it)."""
     import torch
 
+    from .config import registry
+    from .launch.environment import cpu_count
     from .models.files import model_dir_of
     from .models.generate import GenerateOptions
-    from .config import registry
+    torch.set_num_threads(cpu_count())  # one per core this process may use, as training sets
     data, trainer = _run_sections(ns.run_dir)
     opts = GenerateOptions(
         run_dir=ns.run_dir, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
@@ -188,20 +190,36 @@ def cmd_checkpoint_inspect(ns: argparse.Namespace) -> int:
 def cmd_checkpoint_verify(ns: argparse.Namespace) -> int:
     """One line per snapshot; exit 0 when every one is good, 1 otherwise."""
     from .checkpoint import inspection
-    verdicts = inspection.verify(ns.path)
+    from .errors import CheckpointError
+    aside = inspection.set_aside(ns.path)
+    try:
+        verdicts = inspection.verify(ns.path)
+    except CheckpointError:  # no snapshot folders: fine when some were set aside
+        if not aside:
+            raise
+        verdicts = []
     for v in verdicts:
         print(v.line(), flush=True)
+    for line in aside:
+        print(line, flush=True)
     return 0 if all(v.good for v in verdicts) else 1
 
 
 def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
-    from .checkpoint import finetune_export
+    from .checkpoint import export_target, finetune_export
     from .errors import ConfigError
+    from .redact import redact_url
+    final = None if ns.model_path or ns.format == "hf" else \
+        export_target.finished_model(ns.path, merge=ns.merge)
+    if final is not None:  # a finished run: its final model, newer than any snapshot
+        out = export_target.export_copy(final[0], ns.out, overwrite=ns.overwrite)
+        print(f"wrote {out}: the finished run's final model ({final[0].name}/, step {final[1]})")
+        return 0
     found = finetune_export.find(ns.path)  # a fine-tuning run's snapshot: from_pretrained
     if found is not None:
         out = finetune_export.export_finetuned(*found, ns.out, merge=ns.merge,
                                                model_path=ns.model_path, overwrite=ns.overwrite)
-        print(f"wrote {out}")
+        print(f"wrote {out} from snapshot {redact_url(found[0])}")
         return 0
     if ns.merge or ns.model_path:
         raise ConfigError(f"--merge and --model-path apply to snapshots of fine-tuning runs "
@@ -210,8 +228,10 @@ def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
         from .checkpoint.hf_export import export_hf
         print(f"wrote {export_hf(ns.path, ns.out, overwrite=ns.overwrite)}")
         return 0
-    from .checkpoint.store import export_snapshot
-    print(f"wrote {export_snapshot(ns.path, ns.out)}")
+    from .checkpoint.store import export_snapshot, resolve
+    url = resolve(ns.path)
+    print(f"wrote {export_snapshot(url, ns.out, overwrite=ns.overwrite)} from snapshot "
+          f"{redact_url(url)}")
     return 0
 
 
@@ -319,13 +339,17 @@ def build_parser() -> argparse.ArgumentParser:
                          description="PATH: a snapshot folder, or a checkpoints folder or run "
                                      "dir (every snapshot in it); local or fsspec URL (s3://...). "
                                      "One line per snapshot: ok, or the file that is missing, cut "
-                                     "short or changed since it was written. Exit code 0 when "
-                                     "all are good, 1 otherwise.")
+                                     "short or changed since it was written; then each damaged "
+                                     "snapshot a resume moved aside (step-N.corrupt) and how to "
+                                     "clear it. Exit code 0 when all snapshots are good, 1 "
+                                     "otherwise.")
     kv.add_argument("path")
     kv.set_defaults(func=cmd_checkpoint_verify)
     ke = ksub.add_parser("export", help="one model.safetensors from a sharded snapshot",
-                         description="PATH: a snapshot folder, or a checkpoints folder or run "
-                                     "dir (its newest committed snapshot). OUT: a folder (model "
+                         description="PATH: a snapshot folder, a checkpoints folder or an "
+                                     "unfinished run dir (its newest committed snapshot), or a "
+                                     "finished run dir (its final model: model/, or a LoRA "
+                                     "run's adapter/ unless --merge). OUT: a folder (model "
                                      "+ config.json + tokenizer.json, for `paratrain generate`) "
                                      "or a file ending in .safetensors. A fine-tuning run's "
                                      "snapshot (model.arch=hf) exports to a from_pretrained "
@@ -338,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hf: a finished run's model as a Hugging Face LlamaForCausalLM folder "
                          "with its tokenizer (transformers loads it offline)")
     ke.add_argument("--overwrite", action="store_true",
-                    help="hf and fine-tuning snapshots: replace a non-empty OUT")
+                    help="replace an OUT that is already there (a non-empty folder, a .safetensors "
+                         "file); without it such an OUT is refused")
     ke.add_argument("--merge", action="store_true",
                     help="a LoRA snapshot: the base with the adapters merged in, instead of the "
                          "adapter alone")

@@ -38,3 +38,8 @@ def human_count(n: float) -> str:
 def human_bytes(n: float) -> str:
     """Bytes in G or M (binary units), as the memory tables show them."""
     return f"{n / 2**30:.2f}G" if n >= 2**30 else f"{n / 2**20:.1f}M"
+
+
+def count_of(n: int, noun: str, plural: str = "") -> str:
+    """'1 entry', '3 entries': a count with its noun in the right number."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -90,7 +90,7 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     # the ranks of a tensor-parallel group read the same samples: the batch is split dp ways
     accum, global_batch = batch_plan(tr.batch_size, dims.dp * replicas, tr.global_batch_size)
     if dims.pp > 1:  # the accumulation micro-batches are the pipeline's
-        check_schedule(parallelism, accum)
+        check_schedule(parallelism, accum, tr.batch_size * dims.dp * replicas)
     per_epoch = steps_per_epoch(len(task.train_ds), global_batch, task, cfg.data.drop_last)
     ranks_here = ranks_on_host or local_world_size
     return RunPlan(
@@ -145,7 +145,7 @@ def auto_pipelines(cfg: TrainConfig, task: Task, *, world_size: int, local_world
                 num_layers=pipeline_blocks(task, pp), world_size=world_size,
                 local_world_size=local_world_size, device=device)
             accum, _ = batch_plan(tr.batch_size, world_size // pp, tr.global_batch_size)
-            check_schedule(pipeline, accum)
+            check_schedule(pipeline, accum, tr.batch_size * (world_size // pp))
         except ConfigError:
             continue
         yield pipeline_estimate(probe.build_model, pipeline, precision=tr.precision,
@@ -156,12 +156,15 @@ def auto_pipelines(cfg: TrainConfig, task: Task, *, world_size: int, local_world
 def pipeline_blocks(task: Task, pp: int) -> int:
     """The blocks a pipeline splits: the task's own `pipeline_blocks` (the built-in Llama / GPT
     of a task whose spec pipelines); any other model (Hugging Face, a user's module) is refused
-    in one line."""
+    in one line that names it as the user knows it."""
     blocks = getattr(task, "pipeline_blocks", None)
     if blocks is None:
+        from .tasks.user import UserTask
+        model = ("your own nn.Module (Trainer(model=...))" if isinstance(task, UserTask) else
+                 "a Hugging Face model (model.arch=hf)")
         raise ConfigError(f"trainer.pipeline_parallel={pp} splits the built-in llama / gpt "
-                          f"models only; {type(task).__name__}'s model cannot be cut into "
-                          "stages: use trainer.pipeline_parallel=1")
+                          f"models only; {model} cannot be cut into stages: use "
+                          "trainer.pipeline_parallel=1")
     return blocks
 
 

@@ -15,8 +15,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from torch import nn
 
-from .checkpoint.rundir import check_run_dir
+from .checkpoint.rundir import check_run_dir, hold_run_dir
 from .config import registry
+from .config.checks import attention_heads
 from .config.tree import TrainConfig
 from .dist import DistEnv, restart_attempt
 from .errors import ConfigError, Interrupted
@@ -150,10 +151,11 @@ class Trainer:
         if cfg.distributed.requeue and job_id is None:
             raise ConfigError("distributed.requeue=true requeues a Slurm job, but this is not one "
                               "(SLURM_JOB_ID is not set); submit with sbatch, or drop the key")
+        first = launcher.rank == 0 if launcher is not None else cfg.distributed.node_rank == 0
         try:
-            return self._fit(cfg, launcher)
+            with hold_run_dir(cfg.run_dir) if first else contextlib.nullcontext():
+                return self._fit(cfg, launcher)
         except Interrupted:
-            first = launcher.rank == 0 if launcher is not None else cfg.distributed.node_rank == 0
             if cfg.distributed.requeue and first and job_id is not None:
                 log(DistEnv(), requeue_slurm_job(job_id))
             raise
@@ -182,7 +184,9 @@ class Trainer:
                 log(DistEnv(), note)
         nproc = processes_per_node(cfg.trainer.strategy, len(devices))
         check_tensor_parallel(cfg.trainer.tensor_parallel, world=nproc * d.min_nodes,
-                              local_world=nproc, shard_group=cfg.trainer.shard_group_size)
+                              local_world=nproc, shard_group=cfg.trainer.shard_group_size,
+                              heads=() if isinstance(self.given, UserTask) else
+                              attention_heads(cfg))
         if d.elastic:  # every world size the range allows must give the same global batch,
             check_elastic_batch(cfg.trainer.batch_size, cfg.trainer.global_batch_size, nproc,
                                 d.min_nodes, d.max_nodes)  # and the same pipeline stages
@@ -314,11 +318,24 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
     return TaskRecords(train, val), over + [f"data.format={kind}"]
 
 
+# Hugging Face TrainingArguments' names for what Trainer() takes under its own
+_HF_NAMES = {"learning_rate": "lr", "num_train_epochs": "epochs", "max_grad_norm": "grad_clip",
+             "per_device_train_batch_size": "batch_size", "output_dir": "run_dir",
+             "overwrite_output_dir": "overwrite", "lr_scheduler_type": "schedule",
+             "optim": "optimizer"}
+
+
 def _unknown_keyword(name: str, value: Any, known: list[str]) -> str:
     """The line for a keyword Trainer does not take; when it names a key of another section
     (lora= is model.lora.r, pack= is data.pack), the overrides= spelling that works."""
+    import difflib
+
     from .formatting import flatten
     keys = flatten(TrainConfig().to_dict())
+    ours = _HF_NAMES.get(name) or next(iter(difflib.get_close_matches(name, known, 1, 0.8)), None)
+    if ours in known:
+        return (f"Trainer() got an unknown argument {name!r}; did you mean {ours}=? it takes "
+                f"trainer and optim keys by name: {', '.join(known)}")
     dotted = [k for k in keys if k.endswith("." + name)] or \
         [f"{k.rsplit('.', 1)[0]}.r" for k in keys if k.endswith(f".{name}.r")]
     hint = (f"; it is the config key {dotted[0]}: pass overrides=[\"{dotted[0]}="

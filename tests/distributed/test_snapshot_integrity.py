@@ -190,7 +190,10 @@ def test_on_s3_retries_catches_a_bit_flip_and_writes_a_failed_model_without_trai
     assert (f"warning: skipping snapshot {url_b}/step-0000016: {bad}; falling back to "
             f"{url_b}/step-0000012") in r.stderr, r.stderr[-3000:]
     assert f"resumed from step 12 ({url_b}/step-0000012)" in r.stderr
+    assert f"moved aside to {url_b}/step-0000016.corrupt, not deleted" in r.stderr  # on S3 too
     assert_bit_identical(run_b, ref)
+    assert store.fs.cat_file(f"{key.replace('step-0000016', 'step-0000016.corrupt')}") == \
+        flipped(data)
     assert len(read_metrics(run_b)) == 16
 
 

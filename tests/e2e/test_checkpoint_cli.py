@@ -53,13 +53,16 @@ def test_export_gives_a_model_that_generates(ref, tmp_path):
     r = run_cli(["checkpoint", "export", str(ref / "checkpoints" / "step-0000008"), str(out)],
                 cwd=tmp_path, timeout=60)
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"wrote {out} from snapshot {ref / 'checkpoints'}/step-0000008")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
                                                      "tokenizer.json"]
     r = run_cli(["generate", str(out), "--max-new-tokens", "8"], cwd=tmp_path, timeout=60)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
-    single = tmp_path / "one.safetensors"  # the newest committed snapshot of a run dir
+    single = tmp_path / "one.safetensors"  # a finished run dir: its final model, not a snapshot
     r = run_cli(["checkpoint", "export", str(ref), str(single)], cwd=tmp_path, timeout=60)
     assert r.returncode == 0 and single.is_file(), r.stderr
+    assert "the finished run's final model (model/, step " in r.stdout, r.stdout
+    assert single.read_bytes() == (ref / "model" / "model.safetensors").read_bytes()
 
 
 def test_checkpoint_errors_are_one_line(tmp_path):

@@ -166,9 +166,9 @@ def test_lora_classifier_trains_the_new_head_and_saves_both(tmp_path, base_model
     assert accuracy_with_transformers(run_dir / "model", rows) == pytest.approx(
         s["val_accuracy"], abs=1e-9)
     # the step-2 snapshot, exported
-    assert cli.main(["checkpoint", "export", str(run_dir), str(tmp_path / "merged"),
-                     "--merge"]) == 0
-    assert cli.main(["checkpoint", "export", str(run_dir), str(tmp_path / "adapter")]) == 0
+    snapshot = str(run_dir / "checkpoints" / "step-0000002")
+    assert cli.main(["checkpoint", "export", snapshot, str(tmp_path / "merged"), "--merge"]) == 0
+    assert cli.main(["checkpoint", "export", snapshot, str(tmp_path / "adapter")]) == 0
     labels = lambda d: json.loads((d / "config.json").read_text())["id2label"]  # noqa: E731
     assert labels(tmp_path / "merged") == labels(run_dir / "model") == {"0": "no", "1": "yes"}
     assert 0.0 <= accuracy_with_transformers(tmp_path / "merged", rows) <= 1.0

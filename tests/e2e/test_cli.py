@@ -39,6 +39,11 @@ def test_run_dir_holds_what_design_lists(trained_run, corpus_dir):
         {"report.png", "tensorboard", "checkpoints"}
     assert sorted(p.name for p in (run_dir / "model").iterdir()) == \
         ["config.json", "model.safetensors", "tokenizer.json"]
+    # the whole command counted, its start-up too, not the training alone (issue 28)
+    import re
+    done = re.search(r"done in ([\d.]+) s from the command's start \(([\d.]+) s training\)",
+                     r.stderr)
+    assert done and float(done[1]) > float(done[2]), r.stderr[-2000:]
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg["data"]["source"] == str(corpus_dir) and cfg["trainer"]["max_steps"] == 30
     rows = read_metrics(run_dir)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.mark.parametrize("overrides, words", [
     (["trainer.no_such_key=1"], ["unknown config key 'trainer.no_such_key'"]),
-    (["trainer.max_steps=ten"], ["trainer.max_steps", "wrong type"]),
+    (["trainer.max_steps=ten"], ["trainer.max_steps='ten' is not a whole number"]),
     (["trainer.epochs=null"], ["trainer.epochs cannot be null",
                                "trainer.max_steps=null trainer.epochs=N", "trainer.max_steps=N"]),
     (["data.padded_overflow=wrap"], ["data.padded_overflow='wrap'", "truncate, split"]),

@@ -408,11 +408,13 @@ def test_checkpoint_export_of_fine_tuning_snapshots_loads_with_transformers_and_
     snapshot = sorted((run / "checkpoints").glob("step-*"))[-1]
     assert snapshot.name == "step-0000012"
     ref = _continued_to(run, snapshot, tmp_path, pretrained, pairs, FULL_FSDP)
-    assert cli.main(["checkpoint", "export", str(run), str(tmp_path / "full")]) == 0
+    assert cli.main(["checkpoint", "export", str(snapshot), str(tmp_path / "full")]) == 0
     exported = logits(load(tmp_path / "full"))
     assert torch.equal(exported, logits(load(ref / "model")))
     assert not torch.allclose(exported, base, atol=1e-3)  # the snapshot's weights, not the base's
     assert not torch.allclose(exported, logits(load(run / "model")), atol=1e-4)  # nor step 16's
+    assert cli.main(["checkpoint", "export", str(run), str(tmp_path / "final")]) == 0
+    assert torch.equal(logits(load(tmp_path / "final")), logits(load(run / "model")))  # the run's
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         assert (tmp_path / "full" / name).read_bytes() == (ref / "model" / name).read_bytes()
     # LoRA: the adapter alone (peft on the base), and merged

@@ -5,7 +5,12 @@ run-dir rules for resuming."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -13,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from paratrain.checkpoint import integrity
 from paratrain.checkpoint import store as snapshot
-from paratrain.checkpoint.rundir import check_run_dir, trim_jsonl
+from paratrain.checkpoint.rundir import LOCK_FILE, check_run_dir, hold_run_dir, trim_jsonl
 from paratrain.checkpoint.snapshotter import Snapshotter
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.dist import DistEnv
@@ -201,6 +206,75 @@ def test_export_writes_a_model_folder_load_model_reads(tmp_path):
         assert torch.equal(a, b), k
 
 
+def test_export_never_overwrites_what_is_at_out_unless_asked(tmp_path, capsys, monkeypatch):
+    """A pretraining export into a folder that holds files, onto a file, or onto a .safetensors
+    already there is refused in one line (the CLI: exit 2) and OUT is left as it was; with
+    --overwrite it is replaced; an export that fails half-way leaves OUT as it was."""
+    from tests.conftest import cli_error
+    cfg = _cfg(tmp_path, every_steps=1, async_save="false")
+    model, opt, sched = _parts(cfg)
+    _snapshotter(cfg, model, opt, sched).save(1, {"loss_sum": 0.0, "count": 0.0})
+    run = str(tmp_path / "run")
+    hf = tmp_path / "hf_model"
+    hf.mkdir()
+    (hf / "chat_template.jinja").write_text("mine")
+    (hf / "config.json").write_text("{}")
+    line = cli_error(capsys, ["checkpoint", "export", run, str(hf)])
+    assert "already exists and is not empty" in line and "--overwrite" in line, line
+    assert sorted(p.name for p in hf.iterdir()) == ["chat_template.jinja", "config.json"]
+    (tmp_path / "notes.txt").write_text("mine")
+    line = cli_error(capsys, ["checkpoint", "export", run, str(tmp_path / "notes.txt")])
+    assert "is a file" in line, line
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    (tmp_path / "w.safetensors").write_text("mine")
+    line = cli_error(capsys, ["checkpoint", "export", run, str(tmp_path / "w.safetensors")])
+    assert "already exists" in line, line
+    assert (tmp_path / "w.safetensors").read_text() == "mine"
+    assert "holds what is being exported" in cli_error(
+        capsys, ["checkpoint", "export", run, str(tmp_path), "--overwrite"])
+
+    import safetensors.torch
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", disk_full)
+        with pytest.raises(OSError):
+            snapshot.export_snapshot(run, hf, overwrite=True)
+    assert sorted(p.name for p in hf.iterdir()) == ["chat_template.jinja", "config.json"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+    snapshot.export_snapshot(run, hf, overwrite=True)
+    assert not (hf / "chat_template.jinja").exists() and load_model(hf)[0] is not None
+    snapshot.export_snapshot(run, tmp_path / "w.safetensors", overwrite=True)
+    assert (tmp_path / "w.safetensors").stat().st_size > 100
+
+
+def test_export_of_a_finished_run_is_its_final_model_and_every_export_names_its_source(
+        tmp_path, capsys):
+    """A finished run's final model is newer than any snapshot (none is taken after the last
+    step): exporting the run gives it, and says so; a snapshot's export names the snapshot."""
+    from paratrain.cli import main
+    from paratrain.models.files import save_model
+    cfg = _cfg(tmp_path, every_steps=1, async_save="false")
+    model, opt, sched = _parts(cfg)
+    _snapshotter(cfg, model, opt, sched).save(1, {"loss_sum": 0.0, "count": 0.0})
+    run = tmp_path / "run"
+    with torch.no_grad():  # trained on after the snapshot
+        for p in model.parameters():
+            p.add_(1.0)
+    save_model(run / "model", model.state_dict(), ARGS.to_dict(), None)
+    (run / "summary.json").write_text('{"steps": 2}')
+    capsys.readouterr()
+    assert main(["checkpoint", "export", str(run), str(tmp_path / "final")]) == 0
+    assert "the finished run's final model (model/, step 2)" in capsys.readouterr().out
+    for (k, a), b in zip(model.state_dict().items(),
+                         load_model(tmp_path / "final")[0].state_dict().values()):
+        assert torch.equal(a, b), k
+    assert main(["checkpoint", "export", str(run / "checkpoints"), str(tmp_path / "s")]) == 0
+    assert f"from snapshot {run / 'checkpoints' / 'step-0000001'}" in capsys.readouterr().out
+
+
 def test_saves_every_n_steps_and_at_epoch_ends_when_asked_never_after_the_last(tmp_path):
     def saved(**ck):
         cfg = _cfg(tmp_path, **ck)
@@ -266,3 +340,43 @@ def test_trim_jsonl_drops_steps_beyond_the_resume_point(tmp_path):
     p.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)))
     trim_jsonl(p, 4)
     assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_second_command_on_a_live_run_dir_is_refused_naming_the_holder(tmp_path, capsys):
+    """A live run holds its run dir: a second `paratrain train` on it is refused in one line
+    naming the holder (exit 2), nothing of the live run touched. The lock is the kernel's: a
+    holder killed with SIGKILL leaves its file, and the next command takes the run dir over."""
+    from tests.conftest import cli_error
+    run = tmp_path / "runs" / "live"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path\n"
+        "from paratrain.checkpoint.rundir import hold_run_dir\n"
+        "with hold_run_dir(Path(sys.argv[1])):\n    time.sleep(300)"), str(run)])
+    try:
+        deadline = time.monotonic() + 120
+        while f'"pid": {holder.pid}' not in _text(run / LOCK_FILE):
+            assert holder.poll() is None and time.monotonic() < deadline, "the holder never held"
+            time.sleep(0.05)
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')  # the live run's
+        line = cli_error(capsys, ["train", f"run.dir={run}", "trainer.devices=cpu:1"])
+        assert f"is in use by another paratrain command (pid {holder.pid} on " \
+               f"{socket.gethostname()}, since " in line, line
+        assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    assert (run / LOCK_FILE).is_file()  # left behind by the killed holder: taken over
+    with hold_run_dir(run):
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert not (run / LOCK_FILE).exists()  # released, and the file gone with it
+    fresh = tmp_path / "never" / "started"
+    with hold_run_dir(fresh):
+        assert fresh.is_dir()
+    assert not (tmp_path / "never").exists()  # a refused run leaves nothing it made
+
+
+def _text(path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

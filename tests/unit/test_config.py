@@ -1,5 +1,7 @@
 """The config tree: YAML + overrides, and every rejection a user can hit before a launch."""
 
+from pathlib import Path
+
 import pytest
 
 from paratrain.config import TrainConfig
@@ -35,7 +37,9 @@ def test_round_trip_through_dict():
 @pytest.mark.parametrize("override, words", [
     (["trainer.max_stepz=3"], ["unknown config key", "trainer.max_stepz"]),
     (["nosuchsection.x=1"], ["unknown config key", "nosuchsection"]),
-    (["trainer.max_steps=abc"], ["trainer.max_steps", "wrong type"]),
+    (["trainer.max_steps=abc"], ["trainer.max_steps='abc' is not a whole number"]),
+    (["data.shuffle=maybe"], ["data.shuffle='maybe' is not true or false"]),
+    (["optim.lr=fast"], ["optim.lr='fast' is not a number"]),
     (["trainer.strategy=foo"], ["trainer.strategy='foo'", "ddp"]),
     (["trainer.precision=fp8"], ["trainer.precision"]),
     (["model.preset=tiny", "model.hidden_size=64", "model.num_heads=5"],
@@ -106,3 +110,36 @@ def test_classify_and_packing_of_examples(tmp_path):
         assert "\n" not in msg and "attention" in msg and "data.pack=false" in msg
     with pytest.raises(ConfigError, match="already packs"):
         TrainConfig.from_yaml(None, ["data.pack=true"])
+
+
+def test_a_broken_config_json_in_model_path_is_refused_before_anything_starts(tmp_path, capsys):
+    """model.path's config.json is read strictly, once, by the checks: a file that is not a JSON
+    object is one line naming it (exit 2), not a failure in rank 0 after the data was encoded."""
+    from tests.conftest import cli_error
+    (tmp_path / "config.json").write_text('{"model_type": "llama",')  # cut short
+    line = cli_error(capsys, ["train", "model.arch=hf", f"model.path={tmp_path}",
+                              "data.format=pairs", "trainer.devices=cpu:1"])
+    assert f"{tmp_path / 'config.json'} cannot be read as a model's config.json" in line, line
+    (tmp_path / "config.json").write_text('["llama"]')
+    with pytest.raises(ConfigError, match="holds list, not the JSON object"):
+        TrainConfig.from_yaml(None, ["model.arch=hf", f"model.path={tmp_path}"])
+
+
+def test_a_near_miss_gets_the_key_that_works():
+    """A key without its section, an HF TrainingArguments name, a space for '=': each answered
+    with the spelling that works; configs/tiny.yaml runs without a warning of its own."""
+    from paratrain.config.docs import suggest_key
+    from paratrain.runtime.optim import schedule_warnings
+    from paratrain.trainer import Trainer
+    with pytest.raises(ConfigError, match=r"unknown config key 'max_steps'; did you mean "
+                                          r"trainer.max_steps \("):
+        TrainConfig.from_yaml(None, ["max_steps=10"])
+    assert suggest_key(TrainConfig, "trainer.max_step") == "trainer.max_steps"
+    with pytest.raises(ConfigError, match=r"'trainer.max_steps' is read as a config file, which "
+                                          r"does not exist; to set trainer.max_steps, write "
+                                          r"trainer.max_steps=VALUE"):
+        TrainConfig.from_yaml("trainer.max_steps", [])
+    with pytest.raises(ConfigError, match=r"unknown argument 'learning_rate'; did you mean lr=\?"):
+        Trainer(learning_rate=0.1)
+    tiny = TrainConfig.from_yaml(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"), [])
+    assert schedule_warnings(tiny.optim, tiny.trainer.max_steps) == []

@@ -178,7 +178,7 @@ def test_refuses_non_empty_out_dir_unless_overwrite(tmp_path, tok_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
         export_hf(run, tmp_path / "file", overwrite=True)
-    with pytest.raises(ConfigError, match="is the model folder itself"):
+    with pytest.raises(ConfigError, match="holds what is being exported"):
         export_hf(run, run / model_io.MODEL_DIR, overwrite=True)
 
 

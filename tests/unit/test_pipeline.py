@@ -74,11 +74,16 @@ def test_blocks_are_split_evenly_or_as_given():
     (lambda: pipeline_split(4, 2, "1f1b", [4, 0]), r"leaves stage 1 empty"),
     (lambda: pipeline_split(4, 2, "1f1b", [2, 1]), r"adds up to 3 blocks, but the model has 4"),
     (lambda: pipeline_split(4, 2, "1f1b", [1, 1, 2]), r"has 3 entries; the pipeline has 2"),
+    (lambda: pipeline_split(4, 2, "1f1b", [4]), r"has 1 entry; the pipeline has 2"),
     (lambda: resolve(pp=2, world=3), r"pipeline_parallel=2 does not divide the world of 3 "),
     # a stage of 2 processes cannot hold a tensor-parallel group of 4
     (lambda: resolve(pp=2, world=4, tp=4), r"tensor_parallel=4 is more than the 2 process"),
     (lambda: check_schedule(resolve(pp=2, world=2, schedule="interleaved-1f1b", layers=8)[0], 5),
      r"runs the 5 micro-batches of a step in rounds of 2"),
+    # torch's schedules need a micro-batch per stage: said before launch, with the batch that works
+    (lambda: check_schedule(resolve(pp=2, world=2, layers=4)[0], 1, 8),
+     r"pipeline_parallel=2 needs at least 2 micro-batches per step \(one per stage\), this run "
+     r"has 1 .*; set trainer.global_batch_size=16 \(or a larger multiple of 8\)"),
 ])
 def test_a_pipeline_that_cannot_be_built_is_one_line(call, message):
     with pytest.raises(ConfigError, match=message):
@@ -108,11 +113,11 @@ def test_a_hugging_face_or_users_model_is_refused(hf_llama):
         TrainConfig.from_yaml(None, ["model.arch=hf", f"model.path={hf_llama}",
                                      "trainer.pipeline_parallel=2"])
 
-    class UsersTask:  # a task of the user's own (its model is any module)
-        pass
-
-    with pytest.raises(ConfigError, match=r"UsersTask's model cannot be cut into stages"):
-        pipeline_blocks(UsersTask(), 2)
+    from paratrain.tasks.user import UserTask
+    users = UserTask.__new__(UserTask)  # Trainer(model=...): any module of the user's own
+    with pytest.raises(ConfigError, match=r"your own nn.Module \(Trainer\(model=...\)\) cannot "
+                                          r"be cut into stages"):
+        pipeline_blocks(users, 2)
 
 
 @pytest.mark.parametrize("arch, checkpointing", [("llama", False), ("gpt", False),
@@ -244,6 +249,21 @@ def test_an_elastic_range_must_split_into_stages_at_every_node_count(tmp_path, m
     assert ("trainer.pipeline_parallel=2 needs a world divisible by 2, but "
             "distributed.nnodes=1:3 allows 1, 3 node(s) of 1 process(es) (1, 3 processes); "
             "keep the node counts that fit (2) or use trainer.pipeline_parallel in 1") in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_too_few_micro_batches_for_the_stages_is_refused_before_launch(tmp_path, monkeypatch,
+                                                                      capsys, corpus_dir,
+                                                                      cache_dir):
+    """The default batch plan (no global batch: one micro-batch a step) on two stages: one line
+    naming the global batch that works, before any worker starts (torch says it in a worker)."""
+    from tests.conftest import cli_error, tiny_overrides
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(capsys, ["train"] + tiny_overrides(corpus_dir, cache_dir, **{
+        "trainer.devices": "cpu:2", "model.num_layers": 4, "trainer.pipeline_parallel": 2,
+        "model.tie_embeddings": "false"}))
+    assert "trainer.pipeline_parallel=2 needs at least 2 micro-batches per step" in line, line
+    assert "set trainer.global_batch_size=8 " in line, line  # 2 stages x batch_size 4 x 1 dp
     assert not (tmp_path / "runs").exists()
 
 

@@ -70,6 +70,20 @@ def test_long_pairs_lose_their_prompt_start_then_are_dropped(tok):
         encode_dpo(rows, tok, PreferenceFields(), max_length=2)
 
 
+def test_empty_prompts_are_counted_and_all_empty_is_refused_naming_the_field(tok):
+    """All prompts empty is almost always data.prompt_field naming the wrong field: refused for
+    DPO in one line before training; some empty: counted in the summary line."""
+    blank = [{"question": "the red cat", "prompt": "", "chosen": " runs", "rejected": " sits"},
+             {"question": "a bird", "prompt": "  ", "chosen": " eats", "rejected": " runs"}]
+    with pytest.raises(DataError, match=r"every prompt of train.jsonl is empty \(field 'prompt'"
+                                        r"\).*set data.prompt_field to the field"):
+        encode_dpo(blank, tok, PreferenceFields(), max_length=64, source_name="train.jsonl")
+    _, stats = encode_dpo(blank + ROWS, tok, PreferenceFields(), max_length=64)
+    assert stats.empty_prompts == 2 and "2 with an empty prompt" in stats.summary()
+    _, stats = encode_reward(blank, tok, PreferenceFields(), max_length=64)  # texts hold it all
+    assert stats.kept == 2 and "2 with an empty prompt" in stats.summary()
+
+
 def test_bad_records_are_one_line_naming_what_to_fix(tok):
     same = [{"prompt": "a", "chosen": " runs", "rejected": " runs"}] * 3
     with pytest.raises(DataError, match="every pair of train.jsonl has chosen = rejected"):
@@ -223,8 +237,8 @@ def test_a_reward_model_needs_a_model_that_can_get_a_score_head(tmp_path):
         "model_type": "t5", "is_encoder_decoder": True, "vocab_size": 300, "d_model": 8,
         "d_kv": 4, "d_ff": 8, "num_layers": 1, "num_heads": 2}))
     cfg = _cfg(t5, "trainer.objective=reward", f"data.source={tmp_path / 'none.jsonl'}")
-    with pytest.raises(ConfigError, match=r"\(t5\) cannot get a one-score sequence-"
-                                          "classification head"):
+    with pytest.raises(ConfigError, match=r"\(t5\) is an encoder-decoder model; paratrain "
+                                          r"trains reward models on decoder-only or encoder-only"):
         prepare_task(cfg, DistEnv.single("cpu"), quiet=True)
 
 

@@ -52,7 +52,7 @@ def _plan(*overrides):
     rows, target, pick, work = plan_at_scale(cfg)
     args = resolve_model_config(cfg.model, vocab_size=cfg.data.vocab_size,
                                 seq_length=cfg.data.seq_length)
-    return rows, target, pick, args
+    return rows, (target, work), pick, args
 
 
 @pytest.mark.parametrize("preset, nodes, per_node, tp", [
@@ -60,11 +60,11 @@ def _plan(*overrides):
     pytest.param("llama3-8b", 16, 8, 8, marks=pytest.mark.slow),  # uneven: 128256 / 8 / 16
 ])
 def test_parameter_bytes_per_device_are_exactly_each_tensors_split(preset, nodes, per_node, tp):
-    rows, target, _, args = _plan(f"model.preset={preset}", f"plan.nodes={nodes}",
-                                  f"plan.devices_per_node={per_node}",
-                                  f"trainer.tensor_parallel={tp}", "trainer.strategy=fsdp",
-                                  "data.seq_length=32", "trainer.batch_size=1",
-                                  "plan.device_memory_gb=80")
+    rows, (target, _), _, args = _plan(f"model.preset={preset}", f"plan.nodes={nodes}",
+                                       f"plan.devices_per_node={per_node}",
+                                       f"trainer.tensor_parallel={tp}", "trainer.strategy=fsdp",
+                                       "data.seq_length=32", "trainer.batch_size=1",
+                                       "plan.device_memory_gb=80")
     [asked] = [r for r in rows if r.asked]
     assert asked.label == f"fsdp+tp{tp}"
     assert asked.dims == f"dp_shard={target.world // tp} x tp={tp}"
@@ -78,9 +78,10 @@ def test_parameter_bytes_per_device_are_exactly_each_tensors_split(preset, nodes
 
 @pytest.mark.slow
 def test_layouts_come_in_autos_order_and_the_figures_move_as_the_layouts_say():
-    rows, _, pick, _ = _plan("model.preset=llama3-8b", "plan.nodes=4", "plan.devices_per_node=8",
-                             "plan.device_memory_gb=80", "trainer.precision=bf16-mixed",
-                             "trainer.batch_size=1", "data.seq_length=4096")
+    rows, (target, work), pick, _ = _plan(
+        "model.preset=llama3-8b", "plan.nodes=4", "plan.devices_per_node=8",
+        "plan.device_memory_gb=80", "trainer.precision=bf16-mixed", "trainer.batch_size=1",
+        "data.seq_length=4096")
     labels = [r.label for r in rows]
     assert labels == ["ddp", "hsdp", "fsdp", "fsdp+tp2", "fsdp+tp4", "fsdp+tp8", "fsdp+ac",
                       "fsdp+tp2+ac", "fsdp+tp4+ac", "fsdp+tp8+ac", "fsdp+offload"]
@@ -95,6 +96,12 @@ def test_layouts_come_in_autos_order_and_the_figures_move_as_the_layouts_say():
     assert set(by["fsdp+tp8"].sent["tp"]) == {"all-gather", "reduce-scatter"}
     assert set(by["hsdp"].sent) == {"dp_shard", "dp_replicate"}
     assert set(by["ddp"].sent) == {"dp_replicate"}
-    # auto: the first layout, in this order, that fits in 80% of the device
-    first = next(r for r in rows if r.device_bytes <= 0.8 * 80e9)
+    # auto: the first layout, in this order, that fits in 80% of the device, as `train`'s auto
+    # takes it: tensor parallelism only when asked for (then the keys that ask for it)
+    first = next(r for r in rows if r.device_bytes <= 0.8 * 80e9 and "tp" not in r.label)
     assert pick.label == first.label
+    from paratrain.parallel.memory_plan import layout_keys
+    from paratrain.parallel.simulate import format_simulation
+    text = format_simulation(rows, target, pick, work, "llama3-8b")
+    assert f"trainer.strategy=auto picks {pick.label} " in text and layout_keys(pick) in text
+    assert layout_keys(pick).startswith("trainer.strategy=")

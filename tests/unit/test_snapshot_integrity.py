@@ -7,6 +7,7 @@ snapshot that cannot be written: one warning, nothing lost, the run goes on unti
 from __future__ import annotations
 
 import json
+import subprocess
 import zlib
 
 import pytest
@@ -113,6 +114,22 @@ def test_resume_skips_a_changed_snapshot_before_loading_any_of_it(tmp_path, caps
         assert torch.equal(v, fresh[k]), k
 
 
+def test_a_damaged_snapshot_is_moved_aside_at_resume_not_deleted(tmp_path, capsys):
+    """A snapshot that fails its checksum may have met a transient read error: resume moves it
+    to step-N.corrupt (says so), and `checkpoint verify` lists it and how to clear it."""
+    cfg, ck = _run(tmp_path)
+    _flip(ck / "step-0000004" / "__0_0.distcp")
+    kept = (ck / "step-0000004" / "__0_0.distcp").read_bytes()
+    assert _snapshotter(cfg, *_parts(cfg, seed=7)).resume().step == 2
+    aside = ck / "step-0000004.corrupt"
+    assert (aside / "__0_0.distcp").read_bytes() == kept and not (ck / "step-0000004").exists()
+    assert f"moved aside to {aside}, not deleted" in capsys.readouterr().err
+    assert main(["checkpoint", "verify", str(tmp_path / "run")]) == 0  # step 2 is good
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[2:4] == ["2", "ok:"] and len(out) == 2, out
+    assert out[1].startswith(f"{aside}  set aside") and out[1].endswith(f"rm -r {aside}")
+
+
 def test_a_named_snapshot_that_changed_is_refused(tmp_path):
     cfg, ck = _run(tmp_path, steps=(2,))
     _flip(ck / "step-0000002" / "__0_0.distcp")
@@ -186,6 +203,46 @@ def test_a_snapshot_that_cannot_be_written_warns_and_the_run_goes_on(tmp_path, c
                                               r"\(checkpoint.max_failed_saves=2\)"):
         save(10)
     assert [s.step for s in store.snapshots() if s.committed] == [6]
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """(a real tmpfs at tmp_path/ck, a function that remounts it read-only): root does not
+    heed chmod, a read-only mount stops everyone. Skipped where this process cannot mount."""
+    mnt = tmp_path / "ck"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:100]}); the read-only case "
+                    "needs root with CAP_SYS_ADMIN")
+    try:
+        yield mnt, lambda: subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True,
+                                          timeout=30)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], timeout=30)
+
+
+def test_a_read_only_checkpoint_dir_names_the_newest_intact_snapshot(tmp_path, capsys,
+                                                                     read_only_mount):
+    """The checkpoint folder goes read-only after step 2's commit, while step 4's folder is
+    being written: its removal fails too (errno 30), yet every line names step 2 as intact and
+    the run continues from it."""
+    mnt, make_read_only = read_only_mount
+    cfg = _cfg(tmp_path, every_steps=2, async_save="false", max_failed_saves=2, dir=str(mnt))
+    snaps = _snapshotter(cfg, *_parts(cfg))
+    assert snaps.save(2, {"loss_sum": 0.0, "count": 0.0}) is True
+    (mnt / "step-0000004").mkdir()  # its writer had begun
+    (mnt / "step-0000004" / "__0_0.distcp").write_bytes(b"x" * 10)
+    make_read_only()
+    assert snaps.save(4, {"loss_sum": 0.0, "count": 0.0}) is False
+    err = capsys.readouterr().err
+    intact = f"the newest committed snapshot, {mnt / 'step-0000002'}, is intact"
+    assert intact in err and "no snapshot has been committed" not in err, err
+    with pytest.raises(CheckpointError) as e:
+        snaps.save(6, {"loss_sum": 0.0, "count": 0.0})
+    assert intact in str(e.value) and str(e.value).endswith("continue from it"), e.value
+    assert snapshot.Store(str(mnt)).verify(str(mnt / "step-0000002"))[0]
 
 
 def test_max_failed_saves_must_be_positive():

@@ -58,7 +58,7 @@ def test_a_tp_group_reads_one_slice_of_the_batch_and_counts_it_once():
 
 @pytest.mark.parametrize("tp, world, local, group, message", [
     (4, 2, 2, None, r"trainer.tensor_parallel=4 is more than the 2 process\(es\) per node: a "
-                    r"tensor-parallel group stays inside a node; use at most 2 \(1, 2\)"),
+                    r"tensor-parallel group stays inside a node; use one of 1, 2"),
     (2, 3, 3, None, r"trainer.tensor_parallel=2 does not divide the 3 processes per node; use "
                     r"one of 1, 3"),
     (2, 8, 4, 3, r"trainer.shard_group_size=3 is not a multiple of trainer.tensor_parallel=2"),
@@ -67,6 +67,25 @@ def test_a_layout_tensor_parallelism_cannot_split_is_one_line(tp, world, local, 
                                                               message):
     with pytest.raises(ConfigError, match=message):
         check_tensor_parallel(tp, world=world, local_world=local, shard_group=group)
+
+
+def test_the_values_suggested_pass_every_check_of_the_key():
+    """On 3 processes with 4 heads, 3 divides the processes but not the heads: it is not
+    offered; a pipeline is offered only stage counts whose stages hold whole TP groups and that
+    the model's blocks can fill."""
+    from paratrain.parallel.dims import check_pipeline_parallel
+    with pytest.raises(ConfigError, match=r"does not divide the 3 processes per node; use one "
+                                          r"of 1$"):
+        check_tensor_parallel(2, world=3, local_world=3, heads=(4, 4))
+    with pytest.raises(ConfigError, match=r"does not divide the 6 processes per node; use one "
+                                          r"of 1, 2$"):  # 3 and 6 divide 6, not the 4 heads
+        check_tensor_parallel(4, world=6, local_world=6, heads=(4, 4))
+    with pytest.raises(ConfigError, match=r"into equal stages; use one of 1, 2, 3$"):
+        check_pipeline_parallel(5, world=12, tp=2, max_stages=3)
+    with pytest.raises(ConfigError, match=r"does not divide model.num_heads=4 \(each rank computes "
+                                          r"whole heads\); use one of 1$"):  # 2 fails on 3
+        TrainConfig.from_yaml(None, ["model.preset=tiny", "trainer.tensor_parallel=3",
+                                     "trainer.devices=cpu:3"])  # not 4: 3 a stage
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -196,5 +215,5 @@ def test_the_cli_refuses_a_tp_group_larger_than_a_node_in_one_line(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == [
         "paratrain: error: trainer.tensor_parallel=4 is more than the 2 process(es) per node: a "
-        "tensor-parallel group stays inside a node; use at most 2 (1, 2)"]
+        "tensor-parallel group stays inside a node; use one of 1, 2"]
     assert not (tmp_path / "runs").exists()

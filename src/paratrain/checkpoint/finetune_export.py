@@ -28,6 +28,7 @@ from ..data.tokenizer import TOKENIZER_FILES
 from ..errors import CheckpointError, ConfigError
 from ..redact import redact_url
 from . import integrity
+from .export_target import check_out, export_target
 from .store import load_model_weights, resolve, split, verify_snapshot
 
 
@@ -95,10 +96,13 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             set_model_state_dict(model, weights, options=options)
-        if task.lora:
-            task.save_lora(model, merged=out if merge else None, adapter=None if merge else out)
-        else:
-            task.save(model, out, {k: v.detach().cpu() for k, v in model.state_dict().items()})
+        with export_target(out, overwrite=overwrite, source=_local(base)) as target:
+            if task.lora:
+                task.save_lora(model, merged=target if merge else None,
+                               adapter=None if merge else target)
+            else:
+                task.save(model, target,
+                          {k: v.detach().cpu() for k, v in model.state_dict().items()})
     return out
 
 
@@ -119,11 +123,11 @@ def _check_out(out: Path, base: Optional[str], overwrite: bool) -> None:
     if out.suffix == ".safetensors":
         raise ConfigError(f"OUT {str(out)!r}: a fine-tuning snapshot exports to a folder "
                           "(from_pretrained reads it); pass a folder path")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"OUT {str(out)!r} is a file; pass a folder path for the export")
     if base and out.resolve() == Path(str(base)).expanduser().resolve():
         raise ConfigError(f"OUT {str(out)!r} is the base model's folder (model.path); choose "
                           "another folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"OUT {str(out)!r} already exists and is not empty; choose another "
-                          "folder or pass --overwrite to replace it")
+    check_out(out, overwrite=overwrite, source=_local(base))
+
+
+def _local(base: Optional[str]) -> Optional[Path]:
+    return Path(str(base)).expanduser() if base else None

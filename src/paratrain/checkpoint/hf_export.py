@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 from ..data.tokenizer import TOKENIZER_FILE as TOKENIZER
 from ..data.tokenizer import copy_tokenizer_files
 from ..errors import ConfigError, ParatrainError
-from ..fileio import atomic_dir
 from ..models.files import MODEL_CONFIG, WEIGHTS, model_dir_of
+from .export_target import check_out, export_target
 
 if TYPE_CHECKING:
     import torch
@@ -92,15 +92,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, overwrite: bool = F
     if not tok_path.is_file():
         raise ConfigError(f"{mdir} holds no {TOKENIZER}; copy the run's tokenizer.json into it "
                           f"before exporting")
-    out = Path(out_dir)
-    if out.resolve() == mdir.resolve():
-        raise ConfigError(f"out_dir {str(out)!r} is the model folder itself; choose another "
-                          f"folder for the Hugging Face export")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"out_dir {str(out)!r} is a file; pass a folder path for the export")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"out_dir {str(out)!r} already exists and is not empty; choose another "
-                          f"folder or pass overwrite=True to replace it")
+    check_out(Path(out_dir), overwrite=overwrite, source=mdir)
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -110,7 +102,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, overwrite: bool = F
     from safetensors.torch import load_file, save_file
     tensors = hf_state_dict(load_file(str(mdir / WEIGHTS), device="cpu"), args)
     ours = _our_tokenizer(tok_path, args)
-    with atomic_dir(out) as tmp:
+    with export_target(Path(out_dir), overwrite=overwrite, source=mdir) as tmp:
         _hf_config(args, ours).save_pretrained(str(tmp))
         _generation_config(ours).save_pretrained(str(tmp))
         save_file(tensors, str(tmp / "model.safetensors"),
@@ -120,7 +112,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, overwrite: bool = F
         else:
             _hf_tokenizer(tok_path, ours, args).save_pretrained(str(tmp))
         _portable(tmp, args, tokenizer_class=ours.kind != "pretrained")
-    return out
+    return Path(out_dir)
 
 
 def hf_state_dict(state: dict[str, "torch.Tensor"], args: "ModelArgs") -> dict[str, "torch.Tensor"]:

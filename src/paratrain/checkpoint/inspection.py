@@ -110,6 +110,19 @@ class Verdict:
         return f"{self.path}  step {self.step}  {'ok' if self.good else 'BAD'}: {self.found}"
 
 
+def set_aside(path: str) -> list[str]:
+    """The damaged snapshots a resume moved aside (step-N.corrupt) under a checkpoints folder
+    or a run dir, and how to clear each: one line each."""
+    if split(path)[1] is not None:
+        return []
+    found = [u for root in (str(path).rstrip("/"), str(path).rstrip("/") + "/checkpoints")
+             for u in Store(root).set_aside_folders()]
+    return [f"{redact_url(u)}  set aside: a damaged snapshot a resume moved out of the way "
+            f"(paratrain never reads it); look into it, then delete it to clear it: "
+            f"{'rm -r ' + u if not is_url(u) else 'remove the folder with your storage tool'}"
+            for u in found]
+
+
 def verify(path: str) -> list[Verdict]:
     """`paratrain checkpoint verify PATH`: one snapshot folder, or every snapshot folder under a
     checkpoints folder or a run dir; each file's size and checksum, and the commit marker."""

@@ -3,14 +3,20 @@
 A typo must never cost a run: a directory that holds a finished run is refused unless
 `run.overwrite=true`. The same command after any kill goes on: an unfinished run continues from
 its newest committed snapshot or, with none, starts over; and the elastic agent's restarted
-workers continue their own run.
+workers continue their own run. While a run lives it holds its run dir (`hold_run_dir`): a second
+command on the same run dir is refused instead of writing into the live run's files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import socket
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from ..config.tree import TrainConfig
 from ..errors import RunDirError
@@ -18,6 +24,7 @@ from ..fileio import atomic_write_text
 from ..models.files import MODEL_DIR
 from .store import Store, root_of
 
+LOCK_FILE = ".paratrain.lock"  # held while a run lives; names its holder (pid, host)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", MODEL_DIR)
 PER_STEP_LOGS = ("metrics.jsonl", "samples.jsonl")  # one JSON line per step; trimmed on resume
 
@@ -55,6 +62,63 @@ def check_run_dir(cfg: TrainConfig, attempt: int = 0) -> Optional[str]:
             f"to continue it, or {ways}")
     return (f"run.dir {d} holds an unfinished run with no committed snapshot (stopped before "
             "its first one): starting over from step 0")
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path) -> Iterator[None]:
+    """Hold `run_dir` for the life of this block; RunDirError (one line naming the holder) when
+    another live command holds it. A POSIX record lock (fcntl) on LOCK_FILE: the kernel drops it
+    when the holder exits in any way (kill -9 too), so a run dir whose holder is gone is taken
+    over by the next command; forked workers do not inherit it. On leaving, the file goes, and
+    the run dir too when this block made it and nothing else was written there."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        yield  # nothing to hold: check_run_dir refuses it
+        return
+    made = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    fd = _lock(path, run_dir)
+    try:
+        os.write(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n").encode())
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # before the lock goes: a waiter then finds a fresh file
+        os.close(fd)  # releases the lock
+        with contextlib.suppress(OSError):  # only empty ones: a run refused leaves nothing
+            for d in made:
+                d.rmdir()
+
+
+def _lock(path: Path, run_dir: Path) -> int:
+    """An fd holding the lock on the file now at `path` (a holder that left may have removed
+    the file we opened: then try the new one)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # EAGAIN / EACCES: a live process holds it
+            os.close(fd)
+            raise RunDirError(
+                f"run.dir {str(run_dir)!r} is in use by another paratrain command "
+                f"({_holder(path)}); wait for it to end or stop it (the same command then "
+                "continues the run), or pass another run.name") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.ftruncate(fd, 0)
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _holder(path: Path) -> str:
+    try:
+        h = json.loads(path.read_text())
+        return f"pid {h['pid']} on {h['host']}, since {h['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that is still starting"
 
 
 # Keys whose change makes a snapshot's tensors not fit this run: the model's shape and adapters,

@@ -195,24 +195,19 @@ class Snapshotter:
             self.committed_url = url
             return True
         self.failed_in_a_row += 1
-        newest = None
         if self.env.is_master:
             try:
                 self.store.remove(url)  # a partial snapshot: frees its space (disk full)
-                newest = next((s.url for s in reversed(self.store.snapshots()) if s.committed),
-                              None)
-            except Exception:  # the storage is failing: say what we know
+            except Exception:  # read-only, permissions: it stays, uncommitted (never resumed)
                 pass
-        newest = self.env.broadcast_object(newest)
-        older = (f"the newest committed snapshot, {redact_url(newest)}, is intact" if newest
-                 else "no snapshot has been committed yet")
+        newest, listed, older = self._newest_intact()
         n, most = self.failed_in_a_row, self.max_failed_saves
         if n >= most:
             raise CheckpointError(
                 f"{n} snapshot(s) in a row could not be written (checkpoint.max_failed_saves="
                 f"{most}), the last {redact_url(url)}: {why}; {older}. Fix the storage (space, "
                 "permissions, quota) and run the same command to continue"
-                + (" from it" if newest else " (from step 0)"))
+                + (" from it" if newest else " (from step 0)" if listed else ""))
         log(self.env, f"warning: snapshot {redact_url(url)} could not be written ({why}); it "
                       f"was not committed and {older} ({n} failed in a row; the run stops at "
                       f"checkpoint.max_failed_saves={most})")
@@ -234,16 +229,35 @@ class Snapshotter:
             then = (f"a snapshot of its last step, {redact_url(url)}, is committed: once that is "
                     "fixed, the same command writes the model without training again")
         else:
-            newest = None
-            if self.env.is_master:
-                newest = next((s.url for s in reversed(self.store.snapshots()) if s.committed),
-                              None)
-            newest = self.env.broadcast_object(newest)
-            then = ("once that is fixed, the same command " +
-                    (f"continues from {redact_url(newest)} and trains the steps after it again"
-                     if newest else "starts over from step 0 (no snapshot was committed)"))
+            newest, listed, older = self._newest_intact()
+            then = ("once that is fixed, the same command " + (
+                f"continues from {redact_url(newest)} and trains the steps after it again"
+                if newest else "starts over from step 0 (no snapshot was committed)" if listed
+                else f"continues from the newest committed snapshot it finds ({older})"))
         return TrainingError(f"the final model could not be written to {what}; the run is not "
                              f"finished; {then}")
+
+    def _newest_intact(self) -> tuple[Optional[str], bool, str]:
+        """Collective, after a write failed: (the newest committed snapshot or None, whether the
+        store could be listed, the clause that says so). Rank 0 lists the store in a try of its
+        own (a failing storage may refuse that too): then the newest one this run committed or
+        resumed from is the answer."""
+        newest, listed = None, False
+        if self.env.is_master:
+            try:
+                newest = next((s.url for s in reversed(self.store.snapshots()) if s.committed),
+                              None)
+                listed = True
+            except Exception:
+                newest = self.committed_url
+        newest, listed = self.env.broadcast_object((newest, listed))
+        if newest:
+            return newest, listed, (f"the newest committed snapshot, {redact_url(newest)}, is "
+                                    "intact")
+        if listed:
+            return None, listed, "no snapshot has been committed yet"
+        return None, listed, (f"the snapshots under {redact_url(self.store.root)} could not be "
+                              "listed to say which is the newest intact one")
 
     def report(self) -> dict:
         n = len(self.stalls)
@@ -322,14 +336,39 @@ class Snapshotter:
             tried = [c for c in candidates if c in failures + damaged]  # newest first
             raise CheckpointError(unloadable_message(tried, self.cfg))
         if env.is_master:
-            after = resumed.step if resumed else -1
-            for s in self.store.snapshots():
-                if s.step > after:
-                    log(env, f"removing snapshot folder {redact_url(s.url)} (beyond the resume "
-                             "point)")
-                    self.store.remove(s.url)
+            self._clear_beyond(resumed.step if resumed else -1, failures + damaged)
         env.barrier()
         return resumed
+
+    def _clear_beyond(self, after: int, bad: list) -> None:
+        """Rank 0: the snapshot folders beyond the resume point go: a partial or deliberately
+        passed-over one is removed, a damaged one (it failed its checks or to load; with
+        resume=auto, every committed one not resumed) is moved aside to step-N.corrupt."""
+        suspect = {u for u, _ in bad}
+        if self.cfg.checkpoint.resume == "auto" or self.env.attempt > 0:
+            suspect |= {s.url for s in self.store.snapshots() if s.committed}
+        for s in self.store.snapshots():
+            if s.step <= after:
+                continue
+            if s.url in suspect and self._set_aside(s.url):
+                continue
+            log(self.env, f"removing snapshot folder {redact_url(s.url)} (beyond the resume "
+                          "point)")
+            self.store.remove(s.url)
+
+    def _set_aside(self, url: str) -> bool:
+        """Rank 0: a damaged snapshot moved aside (said so); False when the storage would not
+        (it is then removed, as the steps it named are saved again)."""
+        try:
+            dest = self.store.set_aside(url)
+        except Exception as e:
+            log(self.env, f"warning: damaged snapshot {redact_url(url)} could not be moved aside "
+                          f"({first_line(e)}); it is removed")
+            return False
+        log(self.env, f"snapshot {redact_url(url)} is damaged and beyond the resume point: moved "
+                      f"aside to {redact_url(dest)}, not deleted (`paratrain checkpoint verify` "
+                      "lists such folders and how to clear them)")
+        return True
 
     def _candidates(self) -> list[tuple[str, dict]]:
         """Rank 0: the snapshots to try, newest first."""

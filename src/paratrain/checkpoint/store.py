@@ -40,13 +40,15 @@ import torch
 from ..config.tree import TrainConfig
 from ..data.tokenizer import TOKENIZER_FILE, TOKENIZER_FILES, tokenizer_files
 from ..errors import CheckpointError
-from ..fileio import atomic_write_path, atomic_write_text
+from ..fileio import atomic_write_text
 from ..redact import redact_url
 from . import integrity
 
 MARKER = "committed.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step-(\d{7,})")
+SET_ASIDE = ".corrupt"  # step-N.corrupt: a damaged snapshot moved out of the way, never read
+_SET_ASIDE_DIR = re.compile(r"step-\d{7,}\.corrupt(-\d+)?")
 
 
 def step_dir(step: int) -> str:
@@ -229,6 +231,32 @@ class Store:
         else:  # one PUT: an object appears whole or not at all
             self.fs.pipe_file(f"{p}/{MARKER}", data.encode())
 
+    def set_aside(self, url: str) -> str:
+        """Move a damaged snapshot out of the way (step-N.corrupt: never read again) instead of
+        deleting it, since a transient read error must not cost a good snapshot. Returns where."""
+        dest, n = url + SET_ASIDE, 1
+        while self.fs.exists(self.path_of(dest)):
+            n += 1
+            dest = f"{url}{SET_ASIDE}-{n}"
+        src, dst = self.path_of(url).rstrip("/"), self.path_of(dest)
+        if self.local:  # one rename
+            self.fs.mv(src, dst, recursive=True)
+        else:  # an object store has no folders to rename: each object copied, then removed
+            self.fs.invalidate_cache(src)
+            for f in self.fs.find(src):
+                self.fs.copy(f, dst + f[len(src):])
+            self.fs.rm(src, recursive=True)
+        self.fs.invalidate_cache(self.path)
+        return dest
+
+    def set_aside_folders(self) -> list[str]:
+        """The snapshots `set_aside` moved out of the way, as urls."""
+        try:
+            names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.path, detail=False)]
+        except FileNotFoundError:
+            return []
+        return [f"{self.root}/{n}" for n in sorted(names) if _SET_ASIDE_DIR.fullmatch(n)]
+
     def remove(self, url: str) -> None:
         try:
             self.fs.rm(self.path_of(url), recursive=True)
@@ -334,33 +362,38 @@ def resolve(path: str) -> str:
                           "run dir")
 
 
-def export_snapshot(path: str, out: str | Path) -> Path:
+def export_snapshot(path: str, out: str | Path, *, overwrite: bool = False) -> Path:
     """The model weights of a sharded snapshot as one file. OUT ending in .safetensors: that file
     alone; otherwise a model folder (weights, config.json, tokenizer.json) that `paratrain
-    generate` and `load_model` read."""
+    generate` and `load_model` read. An OUT already there is replaced only with `overwrite`."""
     from safetensors.torch import save_file
 
     from ..models import ModelArgs, build_model
     from ..models.files import drop_tied, save_model
     from ..parallel import precision
+    from .export_target import check_out, export_target
+    out = Path(out)
+    as_file = out.suffix == ".safetensors"
     url = resolve(path)
     store, _ = split(url)
+    local = Path(store.path_of(url)) if store.local else None
+    check_out(out, overwrite=overwrite, file=as_file, source=local)
     marker = store.marker(url)
     if marker is None:
         raise CheckpointError(f"snapshot {redact_url(url)!r} is not committed; nothing to export")
     args = ModelArgs.from_dict(marker["model"])
     model = precision.prepare_model(build_model(args), marker.get("precision") or "fp32")
     weights = load_model_weights(url, model.state_dict())
-    out = Path(out)
-    if out.suffix == ".safetensors":
-        tensors = {k: v.contiguous() for k, v in weights.items()}
-        with atomic_write_path(out) as tmp_file:
-            save_file(drop_tied(tensors) if args.tie_embeddings else tensors, str(tmp_file),
+    with export_target(out, overwrite=overwrite, file=as_file, source=local) as target:
+        if as_file:
+            tensors = {k: v.contiguous() for k, v in weights.items()}
+            save_file(drop_tied(tensors) if args.tie_embeddings else tensors, str(target),
                       metadata={"format": "pt", "producer": "paratrain",
                                 "step": str(marker["step"])})
-        return out
-    with tempfile.TemporaryDirectory() as tmp:
-        found = {name for name in TOKENIZER_FILES
-                 if store.get_file(url, name, Path(tmp) / name)}
-        return save_model(out, weights, args.to_dict(),
-                          Path(tmp) / TOKENIZER_FILE if TOKENIZER_FILE in found else None)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                found = {name for name in TOKENIZER_FILES
+                         if store.get_file(url, name, Path(tmp) / name)}
+                save_model(target, weights, args.to_dict(),
+                           Path(tmp) / TOKENIZER_FILE if TOKENIZER_FILE in found else None)
+    return out

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import ConfigError, check_choice
-from ..formatting import one_of
+from ..formatting import count_of, one_of
 from . import registry
 from .defaults import resolve_tokenizer
 from .finetune_checks import check_data_format, check_hf_corpus_tokenizer
-from .model_folder import check_weights
+from .model_folder import check_weights, model_config
 from .presets import ARCHS, resolve_model_config
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
@@ -138,7 +138,8 @@ def validate(cfg: Any) -> None:
     # Model shape checks need the preset applied; presets.py does them (ConfigError too).
     args = resolve_model_config(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
                                 seq_length=cfg.data.seq_length)
-    check_tp_heads(cfg.trainer.tensor_parallel, args.num_heads, args.num_kv_heads)
+    check_tp_heads(cfg.trainer.tensor_parallel, args.num_heads, args.num_kv_heads,
+                   processes=_stated_processes(cfg.trainer.devices))
     _check_pipeline(cfg, spec, args)
 
 
@@ -202,7 +203,8 @@ def pipeline_split(num_layers: int, pp: int, schedule: str,
         return tuple(base + (i < extra) for i in range(stages))
     split = tuple(int(n) for n in split)
     if len(split) != stages:
-        raise ConfigError(f"trainer.pipeline_split={list(split)} has {len(split)} entries; "
+        raise ConfigError(f"trainer.pipeline_split={list(split)} has "
+                          f"{count_of(len(split), 'entry', 'entries')}; "
                           f"the pipeline has {per}: give one block count per stage")
     if min(split) < 1:
         raise ConfigError(f"trainer.pipeline_split={list(split)} leaves stage "
@@ -286,17 +288,46 @@ def _check_trainer_knobs(cfg: Any, spec: registry.TaskSpec) -> None:
                           "them: leave model.init unset")
 
 
+def _stated_processes(devices: Any) -> Optional[int]:
+    """The processes per node trainer.devices states without asking torch (cpu:N, a list of
+    GPUs); None for auto and the like."""
+    text = str(devices)
+    if text.startswith("cpu:") and text[4:].isdigit():
+        return int(text[4:])
+    return len(devices) if isinstance(devices, (list, tuple)) or \
+        type(devices).__name__ == "ListConfig" else None
+
+
+def attention_heads(cfg: Any) -> tuple[int, ...]:
+    """The model's attention and key/value head counts, where its config says them (tensor
+    parallelism must divide both); () when it does not."""
+    if cfg.model.arch == "hf":
+        info = model_config(cfg.model.path)
+        heads = info.get("num_attention_heads")
+        counts = (heads, info.get("num_key_value_heads") or heads)
+    elif cfg.model.arch in ("llama", "gpt"):
+        args = resolve_model_config(cfg.model, seq_length=cfg.data.seq_length,
+                                    vocab_size=cfg.model.vocab_size or cfg.data.vocab_size)
+        counts = (args.num_heads, args.num_kv_heads)
+    else:
+        return ()
+    return tuple(c for c in counts if isinstance(c, int) and c > 0)
+
+
 def check_tp_heads(tp: int, heads: Optional[int], kv_heads: Optional[int],
-                   names: tuple[str, str] = ("model.num_heads", "model.num_kv_heads")) -> None:
+                   names: tuple[str, str] = ("model.num_heads", "model.num_kv_heads"),
+                   processes: Optional[int] = None) -> None:
     """Under tensor parallelism each rank computes whole attention heads (and whole key/value
     heads): `trainer.tensor_parallel` must divide both counts (`names`: what the message calls
-    them)."""
+    them). `processes`: a node's, when the config states them; the values suggested divide it
+    too (parallel/dims.py checks that side)."""
     if tp <= 1:
         return
     for name, count in zip(names, (heads, kv_heads)):
         if count is not None and count % tp:
             fits = [d for d in range(1, count + 1) if count % d == 0 and
-                    (heads is None or heads % d == 0) and (kv_heads is None or kv_heads % d == 0)]
+                    (heads is None or heads % d == 0) and (kv_heads is None or kv_heads % d == 0)
+                    and (processes is None or processes % d == 0)]
             raise ConfigError(f"trainer.tensor_parallel={tp} does not divide {name}={count} "
                               f"(each rank computes whole heads); use one of "
                               f"{', '.join(map(str, fits))}")

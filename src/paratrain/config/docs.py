@@ -135,6 +135,13 @@ def closest(root: type, key: str, n: int = 3) -> list[KeyDoc]:
     return [d for d in (lookup(root, k) for k in list(picked)[:n]) if d is not None]
 
 
+def suggest_key(root: type, name: str) -> Optional[str]:
+    """The key a misspelt or section-less `name` most likely means ("max_steps" ->
+    trainer.max_steps, "trainer.max_step" -> trainer.max_steps), or None."""
+    near = closest(root, name, n=1)
+    return near[0].key if near else None
+
+
 def unknown_key_message(root: type, key: str) -> str:
     """The one line for an unknown key: the closest keys with what they mean."""
     near = closest(root, key)

@@ -5,6 +5,7 @@ for these, so the config checks, the tasks and the model builders ask the same q
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -22,14 +23,30 @@ FALLBACK_MAX_LENGTH = 1024  # data.max_length when the model's config states no 
 
 
 def model_config(path: Optional[str]) -> dict:
-    """A model folder's config.json (or that file) as a dict ({} when missing or broken:
-    loading says why)."""
-    folder = Path(str(path)).expanduser()
+    """A model folder's config.json (or that file) as a dict; {} when there is none (the config
+    checks say what model.path lacks). A file that is there but not a JSON object is refused
+    (one ConfigError line) the first time anything asks, before anything starts; each version
+    of a file is read once."""
+    file = Path(str(path)).expanduser()
+    file = file / "config.json" if file.is_dir() else file
     try:
-        info = json.loads((folder / "config.json" if folder.is_dir() else folder).read_text())
-    except (OSError, ValueError):
+        st = file.stat()
+    except OSError:
         return {}
-    return info if isinstance(info, dict) else {}
+    return dict(_read_model_config(str(file), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=16)
+def _read_model_config(file: str, mtime_ns: int, size: int) -> dict:
+    try:
+        info = json.loads(Path(file).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{file} cannot be read as a model's config.json ({e}); restore it "
+                          "from the model's source (from_pretrained reads it)") from None
+    if not isinstance(info, dict):
+        raise ConfigError(f"{file} holds {type(info).__name__}, not the JSON object a model's "
+                          "config.json is; restore it from the model's source")
+    return info
 
 
 def model_positions(path: Optional[str]) -> Optional[int]:

@@ -23,6 +23,7 @@ from ..formatting import first_line
 from ..redact import redact_secrets
 from .checks import parse_nnodes, validate
 from .defaults import default_run_name, resolve_max_length, resolve_tokenizer
+from .docs import suggest_key, unknown_key_message
 from .registry import TaskSpec, for_config
 
 
@@ -413,8 +414,12 @@ class TrainConfig:
         if path is not None:
             p = Path(path)
             if not p.is_file():
-                raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file "
-                                  "or no file for the defaults")
+                key = suggest_key(TrainConfig, str(path)) if p.suffix not in (".yaml", ".yml") \
+                    else None
+                raise ConfigError(
+                    f"{str(path)!r} is read as a config file, which does not exist; " +
+                    (f"to set {key}, write {key}=VALUE (one word: no spaces around '=')" if key
+                     else "pass a YAML file or no file for the defaults"))
             try:
                 loaded = OmegaConf.create(_quote_node_range(p.read_text(), r"^(\s*nnodes:\s*)"))
             except Exception as e:  # yaml.YAMLError and friends
@@ -504,12 +509,15 @@ class TrainConfig:
         return Path(base) / "paratrain"
 
 
+_WANTED = {"bool": "true or false", "boolean": "true or false", "int": "a whole number",
+           "integer": "a whole number", "float": "a number", "str": "text", "string": "text"}
+
+
 def _omegaconf_message(e: OmegaConfBaseException) -> str:
     """OmegaConf's messages are multi-line; keep the key and the fix on one line."""
     key = getattr(e, "full_key", None) or ""
     msg = first_line(e)
     if "not in struct" in msg or "Key '" in msg and "not in" in msg:
-        from .docs import unknown_key_message
         return unknown_key_message(TrainConfig, key)
     if key == "trainer.epochs" and "Incompatible value 'None'" in msg:
         return ("trainer.epochs cannot be null: to train by epochs pass trainer.max_steps=null "
@@ -520,8 +528,7 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
                 "defaults)")
     if "Value '" in msg and ("could not be converted" in msg or "is not a valid" in msg):
         value = getattr(e, "value", None)
-        typ = getattr(e, "ref_type", None) or getattr(e, "object_type", None)
-        tname = getattr(typ, "__name__", None) or str(typ)
-        return f"{key}={value!r} has the wrong type: {msg}" if not tname else \
-            f"{key}={value!r} has the wrong type ({msg})"
+        kind = re.search(r"(?:is not a valid|converted to) (\w+)", msg)
+        wanted = _WANTED.get(kind.group(1).lower() if kind else "", "a value of another type")
+        return f"{key}={value!r} is not {wanted}; `paratrain config show` lists each key's default"
     return f"{key}: {msg}" if key else msg

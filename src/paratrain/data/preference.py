@@ -48,12 +48,25 @@ class PairStats:
     dropped: int = 0  # longer than data.max_length
     identical: int = 0  # chosen and rejected are the same tokens
     longest: int = 0  # tokens in the longest kept sequence
+    empty_prompts: int = 0  # rows whose prompt field is empty
 
     def summary(self) -> str:
         return (f"{self.source_name}: {self.rows} pairs -> {self.kept} kept ({self.truncated} "
                 f"with the prompt cut, {self.dropped} dropped as longer than data.max_length="
-                f"{self.max_length}, {self.identical} with chosen = rejected skipped); longest "
-                f"{self.longest} tokens")
+                f"{self.max_length}, {self.identical} with chosen = rejected skipped"
+                + (f", {self.empty_prompts} with an empty prompt" if self.empty_prompts else "")
+                + f"); longest {self.longest} tokens")
+
+    def count_empty_prompts(self, rows: Sequence[Dict[str, Any]], field: str,
+                            refuse_all: bool) -> None:
+        """Empty prompts are counted (the summary says how many); all of them empty is almost
+        always a field-name mistake, refused when the task needs prompts (`refuse_all`)."""
+        self.empty_prompts = sum(1 for row in rows if _empty(row.get(field)))
+        if refuse_all and rows and self.empty_prompts == len(rows):
+            raise DataError(f"every prompt of {self.source_name} is empty (field {field!r}): "
+                            "DPO scores each response given its prompt; set data.prompt_field "
+                            "to the field that holds the prompts (Python: the records' keys, "
+                            "or train_prompts=)")
 
     def check_some_kept(self) -> None:
         if self.kept:
@@ -127,6 +140,16 @@ def preference_texts(rows: Sequence[Dict[str, Any]], tokenizer: Any, f: Preferen
     return out, templated
 
 
+def _empty(value: Any) -> bool:
+    """A prompt with nothing in it: blank text, no messages, or messages without content."""
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, dict):
+        value = [value]
+    return isinstance(value, list) and not any(
+        isinstance(m, dict) and str(m.get("content") or "").strip() for m in value)
+
+
 def _messages_or_text(row: Dict[str, Any], field: str, setting: str, source_name: str,
                       row_number: int) -> Any:
     value = row_field(row, field, setting, source_name, row_number)
@@ -154,6 +177,7 @@ def encode_dpo(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: Preferenc
     rejected = tokenize_texts(tokenizer, [t[2] for t in texts])
     ends = tokenizer.eos_token or ""
     stats = PairStats(source_name, max_length, rows=len(texts))
+    stats.count_empty_prompts(rows, fields.prompt, refuse_all=True)
     pairs: List[Pair] = []
     for (_, c_text, r_text, margin), prompt, c, r in zip(texts, prompts, chosen, rejected):
         c = c + [eos] if not (templated and c_text.rstrip().endswith(ends)) else c
@@ -189,6 +213,7 @@ def encode_reward(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: Prefer
     chosen = tokenize_texts(tokenizer, [p + c for p, c, _, _ in texts], specials)
     rejected = tokenize_texts(tokenizer, [p + r for p, _, r, _ in texts], specials)
     stats = PairStats(source_name, max_length, rows=len(texts))
+    stats.count_empty_prompts(rows, fields.prompt, refuse_all=False)  # texts may hold them
     pairs: List[Pair] = []
     for (_, _, _, margin), c, r in zip(texts, chosen, rejected):
         if c == r:

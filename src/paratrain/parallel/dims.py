@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ..errors import ConfigError
 
@@ -119,36 +119,45 @@ def mesh_device_type(device_type: str) -> str:
 
 
 def check_tensor_parallel(tp: int, *, world: int, local_world: int,
-                          shard_group: Optional[int] = None) -> None:
+                          shard_group: Optional[int] = None, heads: Sequence[int] = ()) -> None:
     """One ConfigError line when `trainer.tensor_parallel=tp` cannot split this job's processes:
     it must divide the processes of a node (a TP group never spans nodes), and so the world, and
     an HSDP shard group. (That it divides the attention heads is checked with the model's shape:
-    config.checks.check_tp_heads.)"""
+    config.checks.check_tp_heads; `heads`, when known here, keeps the values suggested to
+    those that pass that check too.)"""
     if tp == 1:
         return
     key = f"trainer.tensor_parallel={tp}"
+    fits = _text([d for d in range(1, local_world + 1)
+                  if local_world % d == 0 and world % d == 0
+                  and (shard_group is None or shard_group % d == 0)
+                  and all(h % d == 0 for h in heads)])
     if tp > local_world:
         raise ConfigError(f"{key} is more than the {local_world} process(es) per node: a "
-                          f"tensor-parallel group stays inside a node; use at most "
-                          f"{local_world} ({_divisors_text(local_world)})")
+                          f"tensor-parallel group stays inside a node; use one of {fits}")
     if local_world % tp:
         raise ConfigError(f"{key} does not divide the {local_world} processes per node; use "
-                          f"one of {_divisors_text(local_world)}")
+                          f"one of {fits}")
     if world % tp:  # a node count that does not fit cannot happen once tp | local; kept honest
         raise ConfigError(f"{key} does not divide the world of {world} processes; use one of "
-                          f"{_divisors_text(math.gcd(world, local_world))}")
+                          f"{fits}")
     if shard_group is not None and shard_group % tp:
         raise ConfigError(f"trainer.shard_group_size={shard_group} is not a multiple of {key}: "
                           "an HSDP shard group holds whole tensor-parallel groups")
 
 
-def check_pipeline_parallel(pp: int, *, world: int) -> None:
+def check_pipeline_parallel(pp: int, *, world: int, tp: int = 1,
+                            max_stages: Optional[int] = None) -> None:
     """One ConfigError line when `trainer.pipeline_parallel=pp` cannot split this job's
-    processes into equal stages."""
+    processes into equal stages. The values suggested pass the other checks of the key too:
+    each stage holds whole tensor-parallel groups of `tp`, and at most `max_stages` (the
+    model's blocks over the schedule's stages per process) fit."""
     if pp > 1 and world % pp:
+        fits = [d for d in range(1, world + 1) if world % d == 0 and (world // d) % tp == 0
+                and (max_stages is None or d <= max_stages)]
         raise ConfigError(f"trainer.pipeline_parallel={pp} does not divide the world of {world} "
-                          f"processes into equal stages; use one of {_divisors_text(world)}")
+                          f"processes into equal stages; use one of {_text(fits)}")
 
 
-def _divisors_text(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+def _text(values: Sequence[int]) -> str:
+    return ", ".join(map(str, values)) or "1"

@@ -237,6 +237,25 @@ def device_capacity(device: torch.device, local_workers: int) -> int:
     return avail // max(1, local_workers)
 
 
+def layout_keys(pick: Choice) -> str:
+    """The overrides that train a picked layout without `auto`."""
+    from .pipeline import PipelineParallel
+    from .tensor import TensorParallel
+    p = pick.parallelism
+    if isinstance(p, PipelineParallel):
+        keys = [f"trainer.pipeline_parallel={p.dims.pp}"]
+    elif isinstance(p, TensorParallel):
+        keys = [f"trainer.strategy={p.data.name if p.dims.dp > 1 else 'auto'}",
+                f"trainer.tensor_parallel={p.dims.tp}"]
+    else:
+        keys = [f"trainer.strategy={p.name}"]
+    if p.offloads_to_host:
+        keys.append("trainer.cpu_offload=true")
+    elif pick.activation_checkpointing:
+        keys.append("trainer.activation_checkpointing=true")
+    return " ".join(keys)
+
+
 def format_plan(rows: List[Estimate], capacity: int, pick: Choice) -> str:
     frozen = any(r.frozen_bytes for r in rows)  # a task's untrained models (DPO's reference)
     head = (f"{'strategy':<14}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}"
@@ -250,7 +269,8 @@ def format_plan(rows: List[Estimate], capacity: int, pick: Choice) -> str:
                      + (f"{human_bytes(r.frozen_bytes):>10}" if frozen else "")
                      + f"{human_bytes(r.device_bytes):>12}  {fits}")
     lines.append(f"device capacity {human_bytes(capacity)} (planning to {int(MARGIN * 100)}%); "
-                 f"auto picks {pick.label} ({pick.why})")
+                 f"trainer.strategy=auto picks {pick.label} ({pick.why}); to fix it: "
+                 f"{layout_keys(pick)}")
     return "\n".join(lines)
 
 

@@ -139,7 +139,8 @@ def resolve_pipeline_parallel(requested: str, pp: int, *, schedule: str,
     parallelizes each stage over its world / pp processes, resolved as it would be for a whole
     world of that many (`auto`: ddp; with tensor parallelism, fsdp over the data-parallel rest),
     fixed in one ParallelDims with the pipeline outermost."""
-    check_pipeline_parallel(pp, world=world_size)
+    check_pipeline_parallel(pp, world=world_size, tp=tp,
+                            max_stages=num_layers // PIPELINE_SCHEDULES[schedule])
     stage_world = world_size // pp
     kw: dict = dict(world_size=stage_world, device=device,
                     # a stage's processes on one node: the node's, or its share of the stages
@@ -156,10 +157,20 @@ def resolve_pipeline_parallel(requested: str, pp: int, *, schedule: str,
             f"{list(blocks)})")
 
 
-def check_schedule(parallelism: PipelineParallel, micro_batches: int) -> None:
-    """The schedule must be able to run `micro_batches` (the accumulation micro-steps) in
-    rounds: interleaved-1f1b runs them P at a time."""
+def check_schedule(parallelism: PipelineParallel, micro_batches: int,
+                   per_step: Optional[int] = None) -> None:
+    """The schedule must be able to run `micro_batches` (the accumulation micro-steps): at
+    least one per stage (torch's schedules refuse fewer, in a worker), and interleaved-1f1b
+    runs them P at a time. `per_step`: sequences of one micro-step over the data-parallel
+    processes, to name the global batch that works."""
     pp = parallelism.dims.pp
+    if micro_batches < pp:
+        fix = (f"set trainer.global_batch_size={pp * per_step} (or a larger multiple of "
+               f"{per_step})" if per_step else "raise trainer.global_batch_size")
+        raise ConfigError(f"trainer.pipeline_parallel={pp} needs at least {pp} micro-batches per "
+                          f"step (one per stage), this run has {micro_batches} (trainer."
+                          "global_batch_size / (trainer.batch_size x data-parallel processes)); "
+                          + fix)
     rounds = max(1, micro_batches // pp)
     if PIPELINE_SCHEDULES[parallelism.schedule] > 1 and micro_batches % rounds:
         raise ConfigError(f"trainer.pipeline_schedule={parallelism.schedule} runs the "

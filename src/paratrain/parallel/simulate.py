@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from ..formatting import human_bytes
 from .fake_world import fake_world
 from .memory import SavedTensorMeter, local_bytes
-from .memory_plan import MARGIN, Choice, Estimate, choose
+from .memory_plan import MARGIN, Choice, Estimate, choose, layout_keys
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .pipeline_schedules import in_flight
@@ -392,7 +392,14 @@ def plan_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
                          requested=requested, tp=tr.tensor_parallel,
                          reshard_after_forward=tr.reshard_after_forward, pipeline=pipeline)
     rows = simulate(work, target, layouts)
-    return rows, target, choose(rows, target.capacity), work
+    return rows, target, choose(auto_rows(rows, target) or rows, target.capacity), work
+
+
+def auto_rows(rows: list[Simulated], target: Target) -> list[Simulated]:
+    """The rows `train`'s auto chooses among (runplan.auto_choice): no tensor parallelism and no
+    pipeline, which it picks only when asked for (or a pipeline, when nothing else fits)."""
+    return [r for r in rows if r.parallelism.layout(target.world).tp == 1
+            and r.parallelism.layout(target.world).pp == 1]
 
 
 def format_simulation(rows: list[Simulated], target: Target, pick: Choice, work: Workload,
@@ -411,6 +418,10 @@ def format_simulation(rows: list[Simulated], target: Target, pick: Choice, work:
                      f"{human_bytes(r.sent_total):>14}")
     lines.append("* the layout the config asks for; sent: bytes each device sends per optimizer "
                  "step (--json: by mesh dimension and collective)")
-    lines.append(f"planning to {int(MARGIN * 100)}% of each device; auto picks {pick.label} "
-                 f"({pick.why})")
+    lines.append(f"planning to {int(MARGIN * 100)}% of each device; trainer.strategy=auto picks "
+                 f"{pick.label} ({pick.why}); to fix it: {layout_keys(pick)}")
+    best = choose(rows, target.capacity)
+    if best.label != pick.label:  # tensor parallelism fits earlier: auto takes it only if asked
+        lines.append(f"{best.label} fits too and comes first in auto's order, but auto uses "
+                     f"tensor parallelism only when asked: {layout_keys(best)}")
     return "\n".join(lines)

@@ -155,7 +155,8 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
             else:
                 records.finish(summary)  # memory per rank to the sinks; report.png
                 loss = summary["final_loss"]  # None: no step logged (resumed at the end)
-                log(env, f"done in {summary['wall_s']:.1f} s: " + (
+                log(env, f"done in {time.time() - timeline.start:.1f} s from the command's start "
+                         f"({summary['wall_s']:.1f} s training): " + (
                     f"final loss {loss:.4f}; " if loss is not None else "") +
                     f"outputs in {cfg.run_dir}")
         # nobody leaves before rank 0 has written the model; if it could not, a snapshot of the
@@ -271,7 +272,8 @@ def run_summary(plan: RunPlan, env: DistEnv, task: Task, loop: TrainLoop, last: 
     return {
         "steps": loop.step, "epochs": loop.step / plan.steps_per_epoch,
         "final_loss": last.get("loss"), "val_loss": val_loss,
-        "val_perplexity": math.exp(min(val_loss, 700)) if val_loss is not None else None,
+        "val_perplexity": math.exp(min(val_loss, 700))  # of a per-token cross-entropy only
+        if val_loss is not None and task.unit_name == "tokens" else None,
         "wall_s": wall_s, "train_s": loop.train_s,
         # loss units: tokens for language models (the documented name), texts for a classifier
         "tokens_per_s": loop.units / max(loop.train_s, 1e-9), "tokens": loop.units,

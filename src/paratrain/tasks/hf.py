@@ -71,8 +71,9 @@ class PretrainedTask(NoFrozenModels):
         tokenizer_dir = Path(resolve_tokenizer(cfg.data, cfg.model)).expanduser()
         cls.check_model(cfg)
         train_src, val_src = record_sources(cfg, records)
-        names = {"train": "train_input" if records else str(d.source),
-                 "val": "validation_input" if records else str(d.val_source),
+        names = {"train": "the training records given to Trainer()" if records else str(d.source),
+                 "val": "the validation records given to Trainer()" if records else
+                 str(d.val_source),
                  "tokenizer": str(tokenizer_dir)}
         if cls.dataset.__func__ is PretrainedTask.dataset.__func__:  # arrays: cached, mapped
             key = fingerprint(cfg, f"{cls.__module__}.{cls.__qualname__}", train_src, val_src,

@@ -46,11 +46,16 @@ class RewardTask(PairTask, PretrainedTask):
         config = transformers.AutoConfig.from_pretrained(Path(cfg.model.path).expanduser(),
                                                          local_files_only=True)
         heads = transformers.AutoModelForSequenceClassification._model_mapping
-        if getattr(config, "is_encoder_decoder", False) or type(config) not in heads:
-            raise ConfigError(f"model.path={cfg.model.path!r} ({config.model_type}) cannot get "
-                              "a one-score sequence-classification head in transformers, so it "
-                              "cannot be a reward model; use a decoder-only or encoder-only "
-                              "model")
+        if getattr(config, "is_encoder_decoder", False):
+            raise ConfigError(f"model.path={cfg.model.path!r} ({config.model_type}) is an "
+                              "encoder-decoder model; paratrain trains reward models on "
+                              "decoder-only or encoder-only models (one score from the last "
+                              "token), not on encoder-decoder ones: use such a model")
+        if type(config) not in heads:
+            raise ConfigError(f"model.path={cfg.model.path!r} ({config.model_type}) has no "
+                              "sequence-classification head in transformers (AutoModelFor"
+                              "SequenceClassification), so it cannot be a reward model; use a "
+                              "decoder-only or encoder-only model that has one")
 
     @classmethod
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
