@@ -5,6 +5,7 @@ mixed precisions) at world 1 against no wrapper; nn.DataParallel; and, on machin
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.timeout(400)
 def world_one(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("world-one")
     r = run_cli(["-m", "tests.gpu._world_one"], cwd=tmp, timeout=240,
-                launcher=[sys.executable], env={"PYTHONPATH": str(REPO)})
+                launcher=[sys.executable], env={"PYTHONPATH": os.pathsep.join(
+                    p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)})
     assert r.returncode == 0, r.stderr[-4000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
