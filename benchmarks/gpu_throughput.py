@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from paratrain.fileio import atomic_write_json
+
 PEAK_BF16_FLOPS = 989e12  # H100 / H200 SXM, dense bf16
 TARGET_RATIO = 0.98  # paratrain tokens/s over the plain loop's
 TARGET_MFU_1B_COMPILED = 0.45
@@ -187,14 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     peak = PEAK_BF16_FLOPS if device.type == "cuda" else None
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="gpu-throughput-", dir=ns.work) as tmp:
-        rows = [bench_row(p, shape, mode == "compiled", ns, Path(tmp), device, peak)
-                for p, shape in shapes.items() for mode in modes]
     report = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
               "python": platform.python_version(), "peak_flops": peak, "smoke": ns.smoke,
-              "steps": ns.steps, "warmup": ns.warmup, "corpus": ns.corpus, "rows": rows,
-              "targets": targets(rows, ns.smoke), "table": format_table(rows)}
-    (out / "gpu_throughput.json").write_text(json.dumps(report, indent=2) + "\n")
+              "steps": ns.steps, "warmup": ns.warmup, "corpus": ns.corpus}
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="gpu-throughput-", dir=ns.work) as tmp:
+        for p, shape in shapes.items():
+            for mode in modes:
+                rows.append(bench_row(p, shape, mode == "compiled", ns, Path(tmp), device, peak))
+                # after every row: a run cut short by its time limit keeps the rows it finished
+                report.update(rows=rows, targets=targets(rows, ns.smoke),
+                              table=format_table(rows))
+                atomic_write_json(out / "gpu_throughput.json", report)
     print(report["table"])
     print(f"targets: {json.dumps(report['targets'])}")
     return 0
