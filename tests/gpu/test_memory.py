@@ -26,7 +26,8 @@ def test_verbose_memory_table_from_cuda_counters(tmp_path, corpus_dir, cache_dir
     m = read_summary(run)["memory"][0]
     assert m["device"] == "cuda:0"
     assert 0 < m["params_bytes"] <= m["peak_bytes"] <= m["reserved_bytes"], m
-    assert m["optimizer_bytes"] == 2 * m["params_bytes"]  # AdamW's two fp32 moments
+    # AdamW's two fp32 moments (and fused AdamW's one-value step counters)
+    assert abs(m["optimizer_bytes"] - 2 * m["params_bytes"]) < 0.01 * m["params_bytes"], m
     table = r.stderr.split("memory at end:")[-1]
     assert "memory at end:" in r.stderr, r.stderr[-3000:]
     params_mb, _, _, _, peak_mb = map(float, ROW.findall(table)[-1])
