@@ -53,9 +53,9 @@ if [ "$found" = 0 ] && [ "$MODE" != --install-only ]; then
 fi
 {
   "$PY" -c 'import sys, torch; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda); [print(f"cuda:{i}", torch.cuda.get_device_name(i)) for i in range(torch.cuda.device_count())]'
-  nvidia-smi 2>&1 | head -20
+  if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1 | head -20; fi
 } > "$OUT/env.txt" 2>&1
-say "$found GPU(s): $(sed -n 3p "$OUT/env.txt"); $(sed -n 2p "$OUT/env.txt")"
+say "$found GPU(s) ($(sed -n 3p "$OUT/env.txt")); $(sed -n 2p "$OUT/env.txt")"
 
 # ---- install: a private folder on PYTHONPATH, wheels from .whl/ only -------------------------
 # pip --target works whatever python3 is (system, venv, conda; no ensurepip needed) and leaves
