@@ -42,7 +42,8 @@ if ! command -v "$PY" >/dev/null; then
   say "no GPU found: there is no $PY here (set PYTHON=...); nothing to check"
   exit 0
 fi
-found=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null)
+found=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' \
+  2>/dev/null)
 if [ -z "$found" ]; then
   say "no GPU found: $PY has no PyTorch; nothing to check"
   exit 0
@@ -52,7 +53,12 @@ if [ "$found" = 0 ] && [ "$MODE" != --install-only ]; then
   exit 0
 fi
 {
-  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda); [print(f"cuda:{i}", torch.cuda.get_device_name(i)) for i in range(torch.cuda.device_count())]'
+  "$PY" -c '
+import sys, torch
+print("python", sys.version.split()[0])
+print("torch", torch.__version__, "cuda", torch.version.cuda)
+for i in range(torch.cuda.device_count()):
+    print(f"cuda:{i}", torch.cuda.get_device_name(i))'
   if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1 | head -20; fi
 } > "$OUT/env.txt" 2>&1
 say "$found GPU(s) ($(sed -n 3p "$OUT/env.txt")); $(sed -n 2p "$OUT/env.txt")"
