@@ -39,9 +39,9 @@ TARGET_RATIO = 0.98  # paratrain tokens/s over the plain loop's
 TARGET_MFU_1B_COMPILED = 0.45
 
 # per preset: the batch (per step: batch_size x seq_length tokens, no accumulation)
-PRESETS = {"large": {"trainer.batch_size": 8, "data.seq_length": 2048},
+SHAPES = {"large": {"trainer.batch_size": 8, "data.seq_length": 2048},
            "1b": {"trainer.batch_size": 8, "data.seq_length": 2048}}
-SMOKE = {"tiny": {"trainer.batch_size": 4, "data.seq_length": 64}}
+SMOKE_SHAPES = {"tiny": {"trainer.batch_size": 4, "data.seq_length": 64}}
 
 
 def base_overrides(preset: str, shape: dict, *, smoke: bool, compiled: bool,
@@ -172,9 +172,13 @@ def main(argv: list[str] | None = None) -> int:
                          "~4.7 MB of real text; smoke: its email package)")
     ap.add_argument("--work", default=None, help="where the runs go (default: a temp folder)")
     ns = ap.parse_args(argv)
-    shapes = SMOKE if ns.smoke else PRESETS
+    known = {**SHAPES, **SMOKE_SHAPES}
+    shapes = SMOKE_SHAPES if ns.smoke else SHAPES
     if ns.presets:
-        shapes = {p: PRESETS.get(p) or SMOKE[p] for p in ns.presets.split(",")}
+        unknown = [p for p in ns.presets.split(",") if p not in known]
+        if unknown:
+            ap.error(f"--presets {','.join(unknown)}: choose from {','.join(known)}")
+        shapes = {p: known[p] for p in ns.presets.split(",")}
     modes = (ns.modes or ("eager" if ns.smoke else "eager,compiled")).split(",")
     ns.steps = ns.steps or (1 if ns.smoke else 10)
     ns.warmup = ns.warmup or (1 if ns.smoke else 3)
