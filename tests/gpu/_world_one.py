@@ -39,11 +39,12 @@ def train(parallelism: Parallelism, precision: str, env: DistEnv, steps: int = 1
                         precision=precision)
     optimizer = build_optimizer(model, OptimConfig(lr=3e-3), env.device)
     scaler = parallelism.grad_scaler(precision, env.device)
-    data = torch.Generator().manual_seed(1)
+    # one batch, every step: the model memorises it, so the loss falls fast
+    tokens = torch.randint(0, ARGS.vocab_size, (8, 65),  # (B, T + 1)
+                           generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1].to(env.device), tokens[:, 1:].to(env.device)  # (B, T) each
     losses = []
     for _ in range(steps):
-        tokens = torch.randint(0, ARGS.vocab_size, (8, 65), generator=data)  # (B, T + 1)
-        x, y = tokens[:, :-1].to(env.device), tokens[:, 1:].to(env.device)
         with parallelism.autocast(precision, env.device):
             logits = model(x)  # (B, T, V)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
