@@ -424,7 +424,11 @@ def run() -> None:
     from .launch.worker import exit_now
     outcome = {"code": 1}  # an uncaught exception's (its traceback is printed by then)
     atexit.register(lambda: exit_now(outcome["code"]))
-    outcome["code"] = main()
+    try:
+        outcome["code"] = main()
+    except SystemExit as e:  # argparse's own exits: --help (0), a usage error (2)
+        outcome["code"] = e.code if isinstance(e.code, int) else int(e.code is not None)
+        raise
     sys.exit(outcome["code"])
 
 

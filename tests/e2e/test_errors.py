@@ -88,3 +88,10 @@ def test_exit_code_from_the_real_process(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "paratrain: error: trainer.strategy='foo' is not one of: auto, single, ddp, fsdp, hsdp, "
         "dp"]
+
+
+def test_help_exits_zero_from_the_real_process(tmp_path):
+    """argparse's --help leaves through SystemExit(0): the entry point's fast exit keeps the 0
+    (a script checking `paratrain --help` must not see a failure)."""
+    r = run_cli(["--help"], cwd=tmp_path, timeout=60)
+    assert r.returncode == 0 and "usage: paratrain" in r.stdout, r.stderr[-2000:]

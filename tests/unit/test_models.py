@@ -244,7 +244,7 @@ def test_args_roundtrip_through_json():
 
 @pytest.mark.parametrize("name, vocab, lo, hi", [
     ("small", 4096, 4e6, 9e6), ("medium", 4096, 14e6, 20e6), ("base", 32000, 100e6, 140e6),
-    ("large", 32000, 300e6, 400e6),
+    ("large", 32000, 300e6, 400e6), ("1b", 32000, 0.8e9, 1.2e9),
 ])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_preset_param_counts(arch, name, vocab, lo, hi):

@@ -30,6 +30,10 @@ PRESETS: dict[str, dict] = {
     "base": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12),
     # GPT-2-medium-like: ~345M params at vocab 32000
     "large": dict(hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=8),
+    # Llama-3.2-1B's blocks (its vocabulary left to the tokenizer): ~1.1B params at vocab 32000;
+    # the GPU throughput bench's (benchmarks/gpu_throughput.py)
+    "1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+               intermediate_size=8192),
     # Meta's Llama 3 / 3.1 shapes as published (model cards, params.json): for `paratrain plan`
     # at scale; their vocabulary and RoPE base are part of the shape (a smaller tokenizer's ids
     # fit in the embeddings; the rest go unused)

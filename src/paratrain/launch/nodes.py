@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -137,8 +137,9 @@ class NodeGroup:
             nproc_per_node=self.nproc,
             run_id=self.run_id, rdzv_endpoint=f"{self.master_addr}:{self.master_port}",
             rdzv_backend=self.rdzv, rdzv_configs=rdzv_conf, max_restarts=max_restarts,
-            monitor_interval=0.1, start_method=start.method, shutdown_timeout=5,
-            signals_to_handle=AGENT_SIGNALS)  # the stop signals are ours: ForwardToWorkers
+            monitor_interval=0.1, start_method=start.method,
+            signals_to_handle=AGENT_SIGNALS,  # the stop signals are ours: ForwardToWorkers
+            **_shutdown_grace(LaunchConfig))
         try:
             return elastic_launch(config, forkserver.with_environ)(start.environ, entrypoint,
                                                                    *args)
@@ -333,3 +334,11 @@ class _Reaper:
                     except (ProcessLookupError, PermissionError):
                         pass
             return
+
+
+def _shutdown_grace(launch_config: type) -> dict:
+    """5 s for the agent to wait for workers it stops before killing them. Only a newer torch's
+    LaunchConfig takes it (`shutdown_timeout`: 2.13 has it); torch 2.11's agent waits a fixed
+    30 s."""
+    names = {f.name for f in fields(launch_config)}
+    return {"shutdown_timeout": 5} if "shutdown_timeout" in names else {}
