@@ -1,5 +1,5 @@
 """mkdocs hooks: the Reference pages made from the code when the site is built (the config keys
-from config/tree.py's field docstrings, the command line from the argparse parser)."""
+from config/sections.py's field docstrings, the command line from the argparse parser)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """What a run is asked to do, read and checked before any worker starts, torch-free: the
-configuration tree (`tree`), its checks (`checks`, `finetune_checks`), the model folder reader
+configuration tree (`tree`: `TrainConfig` of the `sections`), its checks (`checks`, `finetune_checks`), the model folder reader
 (`model_folder`), the model sizes (`presets`) and the task table (`registry`).
 
 `from paratrain.config import TrainConfig` (and the other sections of the tree) is the public
-spelling; the package's own modules import from `config.tree`.
+spelling; the package's own modules import from `config.tree` and `config.sections`.
 """
 
-from .tree import (
+from .sections import (
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
@@ -17,9 +17,9 @@ from .tree import (
     OptimConfig,
     PlanConfig,
     RunConfig,
-    TrainConfig,
     TrainerConfig,
 )
+from .tree import TrainConfig
 
 __all__ = ["CheckpointConfig", "DataConfig", "DistributedConfig", "DPOConfig", "LogConfig",
            "LoraConfig", "ModelConfig", "OptimConfig", "PlanConfig", "RunConfig", "TrainConfig",

@@ -1,5 +1,5 @@
 """The config keys' descriptions, read from the one place they are written: the docstring under
-each field of the dataclasses in config/tree.py (as torchtitan's JobConfig keeps them).
+each field of the dataclasses in config/sections.py (as torchtitan's JobConfig keeps them).
 
 Everything that tells a user what a key means is made from here: `paratrain config show`'s
 comments, the "unknown config key" error's suggestions and the docs site's reference page

@@ -30,7 +30,7 @@ from typing import Callable, Iterator, List, Optional
 import numpy as np
 
 from ..config.defaults import resolve_tokenizer
-from ..config.tree import DataConfig
+from ..config.sections import DataConfig
 from ..errors import DataError
 from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus

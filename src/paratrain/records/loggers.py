@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..config.tree import LogConfig, TrainConfig
+from ..config.sections import LogConfig
+from ..config.tree import TrainConfig
 from ..dist import DistEnv
 from ..errors import ConfigError
 from ..formatting import flatten

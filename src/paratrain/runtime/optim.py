@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from ..config.tree import OptimConfig
+from ..config.sections import OptimConfig
 from ..errors import ConfigError
 
 
