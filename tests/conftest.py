@@ -202,6 +202,11 @@ def cli_error(capsys, argv: list[str], only_line: bool = False) -> str:
     input it must refuse: exit code 2, no traceback, one line saying so (progress lines may come
     first; `only_line`: nothing else at all). Returns that line. Cheaper than a process: one real
     process per kind of error checks the exit code of the entry point itself (test_errors.py)."""
+    return cli_refusal(capsys, argv, only_line)[0]
+
+
+def cli_refusal(capsys, argv: list[str], only_line: bool = False) -> tuple[str, str]:
+    """`cli_error`, and all the command printed on stderr (to check what it did not do)."""
     from paratrain import cli
     capsys.readouterr()  # what the test printed before is not this command's
     code = cli.main(argv)
@@ -212,7 +217,7 @@ def cli_error(capsys, argv: list[str], only_line: bool = False) -> str:
     errors = lines if only_line else [x for x in lines if not x.startswith("[paratrain] ")]
     assert len(errors) == 1, err
     assert errors[0].startswith("paratrain: error: ")
-    return errors[0]
+    return errors[0], err
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
