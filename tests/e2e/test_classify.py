@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import make_hf_llama, read_metrics, read_summary, run_cli
+from tests.conftest import cli_run, make_hf_llama, read_metrics, read_summary, run_cli
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(600)]
@@ -99,7 +99,7 @@ def test_one_and_two_workers_give_the_same_run(tmp_path, base_model, data):
 
 
 @pytest.mark.slow
-def test_accuracy_rises_and_matches_the_saved_model(tmp_path, base_model, data):
+def test_accuracy_rises_and_matches_the_saved_model(tmp_path, base_model, data, capsys):
     train, val = data
     run_dir = tmp_path / "run"
     r = run_cli(_args(base_model, train, val, run_dir, **{
@@ -122,8 +122,7 @@ def test_accuracy_rises_and_matches_the_saved_model(tmp_path, base_model, data):
         s["val_accuracy"], abs=1e-9)
     assert (run_dir / "model" / "tokenizer.json").read_bytes() == \
         (base_model / "tokenizer.json").read_bytes()
-    g = run_cli(["generate", str(run_dir), "--prompt", f"the red {KEYWORD} near the house"],
-                cwd=tmp_path)
+    g = cli_run(capsys, ["generate", str(run_dir), "--prompt", f"the red {KEYWORD} near the house"])
     assert g.returncode == 0, g.stderr[-2000:]
     assert g.stdout.strip() == "yes" and "text classifier" in g.stderr
 

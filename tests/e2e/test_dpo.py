@@ -28,11 +28,9 @@ from tests.conftest import (
 )
 from tests.e2e._preference_data import (
     N_VAL,
-    make_tiny_llama,
     preference_rows,
     small_run_args,
     write_jsonl,
-    write_preference_data,
 )
 
 pytest.importorskip("transformers")
@@ -42,13 +40,13 @@ REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "accuracy")
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("dpo-llama"))
+def llama(preference_llama) -> Path:
+    return preference_llama  # the session's (tests/e2e/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> tuple[Path, Path]:
-    return write_preference_data(tmp_path_factory.mktemp("dpo-data"))
+def data(preference_data) -> tuple[Path, Path]:
+    return preference_data
 
 
 def dpo_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:

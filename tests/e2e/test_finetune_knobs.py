@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_error, cli_refusal, read_metrics, run_cli, tiny_overrides
+from tests.conftest import cli_error, cli_refusal, read_metrics, tiny_overrides
 from tests.e2e._tiny_model import make_pairs, make_tiny_llama, write_jsonl
 
 pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ import struct
 import pytest
 
 from tests._runs import tiny_run
-from tests.conftest import read_metrics, read_summary, run_cli
+from tests.conftest import cli_run, read_metrics, read_summary
 
 pytestmark = pytest.mark.timeout(300)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -87,19 +87,19 @@ def test_tensorboard_events_match_metrics_jsonl(run):
         assert event.value == pytest.approx(entry["params_bytes"] / 2**20, rel=1e-6)
 
 
-def test_report_command_redraws(run, tmp_path):
+def test_report_command_redraws(run, tmp_path, capsys):
     cwd = tmp_path
     run_dir = shutil.copytree(run[1], tmp_path / "run")  # this test changes what it finds
     png = run_dir / "report.png"
     png.unlink()
-    r = run_cli(["report", str(run_dir)], cwd=cwd, timeout=60)
+    r = cli_run(capsys, ["report", str(run_dir)])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "report.png" in r.stdout and png_size(png)[0] >= 800
     # a running run (no summary.json yet) is drawn too, to another file
     summary = run_dir / "summary.json"
     os.rename(summary, run_dir / "summary.bak")
     try:
-        r = run_cli(["report", str(run_dir), "--out", str(cwd / "live.png")], cwd=cwd, timeout=60)
+        r = cli_run(capsys, ["report", str(run_dir), "--out", str(cwd / "live.png")])
     finally:
         os.rename(run_dir / "summary.bak", summary)
     assert r.returncode == 0, r.stderr[-2000:]
