@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from tests._runs import Run, tiny_run
+from tests._runs import LOGGED, Run, tiny_run
 from tests.conftest import cli_run, read_metrics, read_summary, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,10 +24,7 @@ MEMORY_KEYS = {"rank", "device", "params_bytes", "grads_bytes", "optimizer_bytes
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, corpus_dir, cache_dir) -> Run:
     """One 2-worker run (the session's) shared by the tests that only look at what it left."""
-    return tiny_run(tmp_path_factory, corpus_dir, cache_dir, **{
-        "trainer.devices": "cpu:2", "trainer.max_steps": 30, "trainer.log_every": 5,
-        "trainer.eval_every": 10, "trainer.eval_samples": 64, "trainer.progress_bar": True,
-        "optim.lr": 3e-3})
+    return tiny_run(tmp_path_factory, corpus_dir, cache_dir, **LOGGED)
 
 
 def test_run_dir_holds_what_design_lists(trained_run, corpus_dir):
