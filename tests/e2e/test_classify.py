@@ -144,20 +144,21 @@ def test_python_api_classifies_lists(tmp_path, base_model, monkeypatch):
     assert config["id2label"] == {"0": "0", "1": "1"}
 
 
-def test_lora_classifier_trains_the_new_head_and_saves_both(tmp_path, base_model, data):
+def test_lora_classifier_trains_the_new_head_and_saves_both(tmp_path, base_model, data, capsys):
     """LoRA on a classifier: adapters plus the new head (peft's modules_to_save); model/ is the
     merged classifier, and its accuracy is the one the run reported. Its step-2 snapshot
     exports (`paratrain checkpoint export`) as a classifier too: merged, with the run's labels,
-    and as the adapter alone, which peft puts on the base with the same predictions."""
+    and as the adapter alone, which peft puts on the base with the same predictions. One
+    device: the CLI trains in its own process, here this one (cli.main, as `cli_run` does)."""
     peft = pytest.importorskip("peft")
     import transformers
 
     from paratrain import cli
     train, val = data
     run_dir = tmp_path / "lora"
-    r = run_cli(_args(base_model, train, val, run_dir, **{
+    r = cli_run(capsys, _args(base_model, train, val, run_dir, **{
         "trainer.devices": "cpu", "trainer.batch_size": 16, "model.lora.r": 4,
-        "trainer.max_steps": 4, "checkpoint.every_steps": 2}), cwd=tmp_path)
+        "trainer.max_steps": 4, "checkpoint.every_steps": 2}))
     assert r.returncode == 0, r.stderr[-3000:]
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
     s = read_summary(run_dir)
