@@ -129,6 +129,17 @@ def hf_llama(tmp_path_factory, corpus_dir) -> Path:
     return make_hf_llama(tmp_path_factory.mktemp("hf") / "tiny-llama", corpus_texts(corpus_dir))
 
 
+@pytest.fixture(scope="session")
+def pairs_llama(tmp_path_factory) -> Path:
+    """`my-model/`: one tiny local "pretrained" Llama (tests/e2e/_tiny_model.py, 256 positions)
+    with a tokenizer trained on 120 input->output pairs, built once for the fine-tuning tests
+    that only read it (a test that changes it works on a copy)."""
+    pytest.importorskip("transformers")
+    from tests.e2e._tiny_model import make_pairs, make_tiny_llama
+    texts = [r["input"] + " " + r["output"] for r in make_pairs(120)]
+    return make_tiny_llama(tmp_path_factory.mktemp("pairs-llama") / "my-model", texts)
+
+
 def cli_env(extra: dict | None = None) -> dict:
     """The environment a CLI process gets: no launcher variables (a test may itself run under
     one), one thread per rank, unbuffered output."""

@@ -12,19 +12,18 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import cli_error, cli_refusal, read_metrics, tiny_overrides
-from tests.e2e._tiny_model import make_pairs, make_tiny_llama, write_jsonl
+from tests.e2e._tiny_model import make_pairs, write_jsonl
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
+def folder(tmp_path_factory, pairs_llama) -> Path:
     """A user's folder: my-model/ (a tiny local Llama, 256 positions) and train.jsonl."""
     here = tmp_path_factory.mktemp("user")
-    rows = make_pairs(120)
-    make_tiny_llama(here / "my-model", [r["input"] + " " + r["output"] for r in rows])
-    write_jsonl(here / "train.jsonl", rows)
+    shutil.copytree(pairs_llama, here / "my-model")  # the session's (conftest), on its pairs
+    write_jsonl(here / "train.jsonl", make_pairs(120))
     return here
 
 
