@@ -59,10 +59,11 @@ def trained_run(tmp_path_factory, overrides: Mapping[str, object], timeout: floa
     return _RUNS[key]
 
 
-def tiny_run(tmp_path_factory, corpus_dir: Path, cache_dir: Path, **extra) -> Run:
+def tiny_run(tmp_path_factory, corpus_dir: Path, cache_dir: Path, timeout: float = 240,
+             **extra) -> Run:
     """The tiny model on the corpus (`tiny_overrides`) with `extra`, trained once per session."""
     base = tiny_overrides(corpus_dir, cache_dir, **extra)
-    return trained_run(tmp_path_factory, dict(o.split("=", 1) for o in base))
+    return trained_run(tmp_path_factory, dict(o.split("=", 1) for o in base), timeout)
 
 
 def _key(overrides: list[str]) -> str:

@@ -53,7 +53,7 @@ def reference(tmp_path_factory, corpus_dir, cache_dir):
     3 nodes of one worker each on this host are that run, as test_multinode.py checks for 2),
     rather than 3 more node commands to start."""
     layout = {k: v for k, v in ELASTIC.items() if not k.startswith(("distributed.", "run."))}
-    run = tiny_run(tmp_path_factory, corpus_dir, cache_dir,
+    run = tiny_run(tmp_path_factory, corpus_dir, cache_dir, timeout=300,
                    **{**layout, "trainer.devices": "cpu:3", "distributed.timeout_s": 30}).dir
     assert read_summary(run)["world_history"] == [[0, 3]]
     return run
