@@ -211,9 +211,10 @@ def one_error_line(err: str) -> str:
 def cli_run(capsys, argv: list[str]) -> subprocess.CompletedProcess:
     """`paratrain ARGV` run in this process (cli.main, what the console entry point calls): its
     exit code and what it printed, as `run_cli` returns them. For the commands that read a
-    finished run (generate, checkpoint, report, config): a process of their own would cost a
-    Python and torch start-up each and test nothing more (test_errors.py runs the entry point
-    in a real process)."""
+    finished run (generate, checkpoint, report, config) and one-device runs (which the CLI
+    trains in its own process anyway): a process of their own would cost a Python and torch
+    start-up each and test nothing more (test_errors.py runs the entry point in a real
+    process)."""
     from paratrain import cli
     capsys.readouterr()  # what the test printed before is not this command's
     code = cli.main([str(a) for a in argv])
