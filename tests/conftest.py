@@ -214,10 +214,17 @@ def cli_run(capsys, argv: list[str]) -> subprocess.CompletedProcess:
     finished run (generate, checkpoint, report, config) and one-device runs (which the CLI
     trains in its own process anyway): a process of their own would cost a Python and torch
     start-up each and test nothing more (test_errors.py runs the entry point in a real
-    process)."""
+    process). A run sets this process's torch threads for itself: the tests after it get
+    theirs back."""
+    import torch
+
     from paratrain import cli
     capsys.readouterr()  # what the test printed before is not this command's
-    code = cli.main([str(a) for a in argv])
+    threads = torch.get_num_threads()
+    try:
+        code = cli.main([str(a) for a in argv])
+    finally:
+        torch.set_num_threads(threads)
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(["paratrain", *argv], code, out, err)
 
