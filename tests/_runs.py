@@ -8,6 +8,8 @@ read only: a test that changes a run dir (deletes, renames, resumes into it) wor
 Standard runs several files compare against (the tiny model of `tiny_overrides`, 10 steps, a
 global batch of 8, 37 validation windows: odd, so uneven over 2 and 4 ranks):
 `ONE_WORKER` (one process) and `TWO_WORKERS` (2 CPU workers, strategy auto: ddp here).
+`LOGGED`: 2 workers, 30 steps, a log line every 5 and an evaluation every 10, the progress bar
+on: the run whose records test_cli.py and test_report.py read.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ ONE_WORKER = {"trainer.devices": "cpu:1", "trainer.batch_size": 8,
               "trainer.global_batch_size": 8, "trainer.eval_samples": 37}
 TWO_WORKERS = {"trainer.devices": "cpu:2", "trainer.batch_size": 4,
                "trainer.global_batch_size": 8, "trainer.eval_samples": 37}
+LOGGED = {"trainer.devices": "cpu:2", "trainer.max_steps": 30, "trainer.log_every": 5,
+          "trainer.eval_every": 10, "trainer.eval_samples": 64, "trainer.progress_bar": True,
+          "optim.lr": 3e-3}
 
 
 @dataclass(frozen=True)
@@ -54,10 +59,11 @@ def trained_run(tmp_path_factory, overrides: Mapping[str, object], timeout: floa
     return _RUNS[key]
 
 
-def tiny_run(tmp_path_factory, corpus_dir: Path, cache_dir: Path, **extra) -> Run:
+def tiny_run(tmp_path_factory, corpus_dir: Path, cache_dir: Path, timeout: float = 240,
+             **extra) -> Run:
     """The tiny model on the corpus (`tiny_overrides`) with `extra`, trained once per session."""
     base = tiny_overrides(corpus_dir, cache_dir, **extra)
-    return trained_run(tmp_path_factory, dict(o.split("=", 1) for o in base))
+    return trained_run(tmp_path_factory, dict(o.split("=", 1) for o in base), timeout)
 
 
 def _key(overrides: list[str]) -> str:

@@ -129,6 +129,17 @@ def hf_llama(tmp_path_factory, corpus_dir) -> Path:
     return make_hf_llama(tmp_path_factory.mktemp("hf") / "tiny-llama", corpus_texts(corpus_dir))
 
 
+@pytest.fixture(scope="session")
+def pairs_llama(tmp_path_factory) -> Path:
+    """`my-model/`: one tiny local "pretrained" Llama (tests/e2e/_tiny_model.py, 256 positions)
+    with a tokenizer trained on 120 input->output pairs, built once for the fine-tuning tests
+    that only read it (a test that changes it works on a copy)."""
+    pytest.importorskip("transformers")
+    from tests.e2e._tiny_model import make_pairs, make_tiny_llama
+    texts = [r["input"] + " " + r["output"] for r in make_pairs(120)]
+    return make_tiny_llama(tmp_path_factory.mktemp("pairs-llama") / "my-model", texts)
+
+
 def cli_env(extra: dict | None = None) -> dict:
     """The environment a CLI process gets: no launcher variables (a test may itself run under
     one), one thread per rank, unbuffered output."""
@@ -197,11 +208,37 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
+def cli_run(capsys, argv: list[str]) -> subprocess.CompletedProcess:
+    """`paratrain ARGV` run in this process (cli.main, what the console entry point calls): its
+    exit code and what it printed, as `run_cli` returns them. For the commands that read a
+    finished run (generate, checkpoint, report, config) and one-device runs (which the CLI
+    trains in its own process anyway): a process of their own would cost a Python and torch
+    start-up each and test nothing more (test_errors.py runs the entry point in a real
+    process). A run sets this process's torch threads for itself: the tests after it get
+    theirs back."""
+    import torch
+
+    from paratrain import cli
+    capsys.readouterr()  # what the test printed before is not this command's
+    threads = torch.get_num_threads()
+    try:
+        code = cli.main([str(a) for a in argv])
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["paratrain", *argv], code, out, err)
+
+
 def cli_error(capsys, argv: list[str], only_line: bool = False) -> str:
     """`paratrain ARGV` run in this process (cli.main, what the console entry point calls) for
     input it must refuse: exit code 2, no traceback, one line saying so (progress lines may come
     first; `only_line`: nothing else at all). Returns that line. Cheaper than a process: one real
     process per kind of error checks the exit code of the entry point itself (test_errors.py)."""
+    return cli_refusal(capsys, argv, only_line)[0]
+
+
+def cli_refusal(capsys, argv: list[str], only_line: bool = False) -> tuple[str, str]:
+    """`cli_error`, and all the command printed on stderr (to check what it did not do)."""
     from paratrain import cli
     capsys.readouterr()  # what the test printed before is not this command's
     code = cli.main(argv)
@@ -212,7 +249,7 @@ def cli_error(capsys, argv: list[str], only_line: bool = False) -> str:
     errors = lines if only_line else [x for x in lines if not x.startswith("[paratrain] ")]
     assert len(errors) == 1, err
     assert errors[0].startswith("paratrain: error: ")
-    return errors[0]
+    return errors[0], err
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -26,7 +26,7 @@ import pytest
 
 from paratrain.checkpoint import store as snapshot
 from paratrain.launch.environment import free_port
-from tests.conftest import finish_all, read_metrics, run_cli, start_cli
+from tests.conftest import cli_run, finish_all, read_metrics, run_cli, start_cli
 from tests.distributed._s3 import FlakyProxy
 from tests.distributed._snapshot_helpers import (
     args_for,
@@ -64,12 +64,14 @@ def file_size_limit(n: int) -> list[str]:
 
 
 def verify(path, cwd, env=None):
+    """`paratrain checkpoint verify PATH` in a process of its own: with `env` (the S3 server's),
+    a client that caches nothing of what this process saw of the bucket."""
     return run_cli(["checkpoint", "verify", str(path)], cwd=cwd, timeout=120, env=env)
 
 
 def test_a_bit_flip_is_caught_and_the_run_falls_back_bit_identical(tmp_path, ref, corpus_dir,
-                                                                  cache_dir):
-    r = verify(ref, tmp_path)
+                                                                  cache_dir, capsys):
+    r = cli_run(capsys, ["checkpoint", "verify", ref])
     assert r.returncode == 0, r.stdout + r.stderr
     assert [line.split()[2] for line in r.stdout.splitlines()] == ["4", "8", "12"]
     assert all(" ok: all 4 files match their crc32 checksums" in x for x in r.stdout.splitlines())
@@ -83,12 +85,12 @@ def test_a_bit_flip_is_caught_and_the_run_falls_back_bit_identical(tmp_path, ref
     bad = (f"__1_0.distcp does not match its checksum (crc32 {now} now, {written} when it was "
            "written)")
 
-    r = verify(run_dir, tmp_path)
+    r = cli_run(capsys, ["checkpoint", "verify", run_dir])
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert [line.split()[3] for line in lines] == ["ok:", "ok:", "BAD:"]
     assert lines[2].endswith(bad), lines[2]
-    r = verify(run_dir / "checkpoints" / "step-0000008", tmp_path)  # one folder
+    r = cli_run(capsys, ["checkpoint", "verify", run_dir / "checkpoints" / "step-0000008"])
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stdout + r.stderr
 
     r = run_cli(args_for(corpus_dir, cache_dir, "flipped"), cwd=tmp_path, timeout=240)
@@ -99,7 +101,8 @@ def test_a_bit_flip_is_caught_and_the_run_falls_back_bit_identical(tmp_path, ref
     assert_bit_identical(run_dir, ref)
 
 
-def test_a_snapshot_that_cannot_be_written_loses_nothing(tmp_path, ref, corpus_dir, cache_dir):
+def test_a_snapshot_that_cannot_be_written_loses_nothing(tmp_path, ref, corpus_dir, cache_dir,
+                                                         capsys):
     """Resumed from step 4 under a file-size limit that the model file fits and no shard does:
     the snapshots of steps 8 and 12 fail, the run stops after the second
     (checkpoint.max_failed_saves=2), step 4's snapshot is intact; the same command without the
@@ -125,7 +128,7 @@ def test_a_snapshot_that_cannot_be_written_loses_nothing(tmp_path, ref, corpus_d
     ck = run_dir / "checkpoints"
     assert committed_steps(ck) == [4] and sorted(p.name for p in ck.iterdir()) == ["step-0000004"]
     assert not (run_dir / "summary.json").exists()
-    assert verify(ck / "step-0000004", tmp_path).returncode == 0
+    assert cli_run(capsys, ["checkpoint", "verify", ck / "step-0000004"]).returncode == 0
 
     r = run_cli(args, cwd=tmp_path, timeout=240)  # the same command, space is back
     assert r.returncode == 0, r.stderr[-3000:]

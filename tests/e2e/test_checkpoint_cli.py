@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import run_cli, tiny_overrides
+from tests.conftest import cli_error, cli_run, run_cli, tiny_overrides
 from tests.distributed._snapshot_helpers import reference_run
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,18 +21,18 @@ def ref(tmp_path_factory, corpus_dir, cache_dir):
 
 
 @pytest.mark.slow
-def test_inspect_lists_and_describes_snapshots(ref, tmp_path):
-    r = run_cli(["checkpoint", "inspect", str(ref)], cwd=tmp_path, timeout=60)
+def test_inspect_lists_and_describes_snapshots(ref, tmp_path, capsys):
+    r = cli_run(capsys, ["checkpoint", "inspect", str(ref)])
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert [line.split()[2] for line in lines] == ["4", "8", "12"]
     assert all(" committed " in line for line in lines)
 
     step = ref / "checkpoints" / "step-0000012"
-    r = run_cli(["checkpoint", "inspect", str(step)], cwd=tmp_path, timeout=60)
+    r = cli_run(capsys, ["checkpoint", "inspect", str(step)])
     assert r.returncode == 0, r.stderr
     assert "step 12, committed" in r.stdout and "saved by 2 worker(s), strategy ddp" in r.stdout
-    r = run_cli(["checkpoint", "inspect", "--json", str(step)], cwd=tmp_path, timeout=60)
+    r = cli_run(capsys, ["checkpoint", "inspect", "--json", str(step)])
     d = json.loads(r.stdout)
     names = {t["name"] for t in d["tensors"]}
     assert "model.tok_embeddings.weight" in names
@@ -43,34 +43,32 @@ def test_inspect_lists_and_describes_snapshots(ref, tmp_path):
     torn = tmp_path / "torn" / "step-0000012"  # a copy without its commit marker
     shutil.copytree(step, torn)
     (torn / "committed.json").unlink()
-    r = run_cli(["checkpoint", "inspect", str(torn)], cwd=tmp_path, timeout=60)
+    r = cli_run(capsys, ["checkpoint", "inspect", str(torn)])
     assert r.returncode == 0 and "NOT committed" in r.stdout and "tensors" not in r.stdout
 
 
 @pytest.mark.slow
-def test_export_gives_a_model_that_generates(ref, tmp_path):
+def test_export_gives_a_model_that_generates(ref, tmp_path, capsys):
     out = tmp_path / "exported"
-    r = run_cli(["checkpoint", "export", str(ref / "checkpoints" / "step-0000008"), str(out)],
-                cwd=tmp_path, timeout=60)
+    r = cli_run(capsys, ["checkpoint", "export", ref / "checkpoints" / "step-0000008", out])
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"wrote {out} from snapshot {ref / 'checkpoints'}/step-0000008")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
                                                      "tokenizer.json"]
-    r = run_cli(["generate", str(out), "--max-new-tokens", "8"], cwd=tmp_path, timeout=60)
+    r = cli_run(capsys, ["generate", str(out), "--max-new-tokens", "8"])
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
     single = tmp_path / "one.safetensors"  # a finished run dir: its final model, not a snapshot
-    r = run_cli(["checkpoint", "export", str(ref), str(single)], cwd=tmp_path, timeout=60)
+    r = cli_run(capsys, ["checkpoint", "export", str(ref), str(single)])
     assert r.returncode == 0 and single.is_file(), r.stderr
     assert "the finished run's final model (model/, step " in r.stdout, r.stdout
     assert single.read_bytes() == (ref / "model" / "model.safetensors").read_bytes()
 
 
-def test_checkpoint_errors_are_one_line(tmp_path):
-    r = run_cli(["checkpoint", "export", str(tmp_path / "nothing"), str(tmp_path / "o")],
-                cwd=tmp_path, timeout=60)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [r.stderr.strip()]
-    assert "holds no committed snapshot" in r.stderr
+def test_checkpoint_errors_are_one_line(tmp_path, capsys):
+    """In this process, through cli.main (test_errors.py checks a real process's exit code)."""
+    line = cli_error(capsys, ["checkpoint", "export", str(tmp_path / "nothing"),
+                              str(tmp_path / "o")], only_line=True)
+    assert "holds no committed snapshot" in line
 
 
 @pytest.mark.slow  # two runs with periodic and epoch-end snapshots: ~15 s idle

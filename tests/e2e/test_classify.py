@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import make_hf_llama, read_metrics, read_summary, run_cli
+from tests.conftest import cli_run, make_hf_llama, read_metrics, read_summary, run_cli
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(600)]
@@ -99,7 +99,7 @@ def test_one_and_two_workers_give_the_same_run(tmp_path, base_model, data):
 
 
 @pytest.mark.slow
-def test_accuracy_rises_and_matches_the_saved_model(tmp_path, base_model, data):
+def test_accuracy_rises_and_matches_the_saved_model(tmp_path, base_model, data, capsys):
     train, val = data
     run_dir = tmp_path / "run"
     r = run_cli(_args(base_model, train, val, run_dir, **{
@@ -122,8 +122,7 @@ def test_accuracy_rises_and_matches_the_saved_model(tmp_path, base_model, data):
         s["val_accuracy"], abs=1e-9)
     assert (run_dir / "model" / "tokenizer.json").read_bytes() == \
         (base_model / "tokenizer.json").read_bytes()
-    g = run_cli(["generate", str(run_dir), "--prompt", f"the red {KEYWORD} near the house"],
-                cwd=tmp_path)
+    g = cli_run(capsys, ["generate", str(run_dir), "--prompt", f"the red {KEYWORD} near the house"])
     assert g.returncode == 0, g.stderr[-2000:]
     assert g.stdout.strip() == "yes" and "text classifier" in g.stderr
 
@@ -145,20 +144,21 @@ def test_python_api_classifies_lists(tmp_path, base_model, monkeypatch):
     assert config["id2label"] == {"0": "0", "1": "1"}
 
 
-def test_lora_classifier_trains_the_new_head_and_saves_both(tmp_path, base_model, data):
+def test_lora_classifier_trains_the_new_head_and_saves_both(tmp_path, base_model, data, capsys):
     """LoRA on a classifier: adapters plus the new head (peft's modules_to_save); model/ is the
     merged classifier, and its accuracy is the one the run reported. Its step-2 snapshot
     exports (`paratrain checkpoint export`) as a classifier too: merged, with the run's labels,
-    and as the adapter alone, which peft puts on the base with the same predictions."""
+    and as the adapter alone, which peft puts on the base with the same predictions. One
+    device: the CLI trains in its own process, here this one (cli.main, as `cli_run` does)."""
     peft = pytest.importorskip("peft")
     import transformers
 
     from paratrain import cli
     train, val = data
     run_dir = tmp_path / "lora"
-    r = run_cli(_args(base_model, train, val, run_dir, **{
+    r = cli_run(capsys, _args(base_model, train, val, run_dir, **{
         "trainer.devices": "cpu", "trainer.batch_size": 16, "model.lora.r": 4,
-        "trainer.max_steps": 4, "checkpoint.every_steps": 2}), cwd=tmp_path)
+        "trainer.max_steps": 4, "checkpoint.every_steps": 2}))
     assert r.returncode == 0, r.stderr[-3000:]
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
     s = read_summary(run_dir)

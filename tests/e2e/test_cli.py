@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 
-from tests._runs import Run, tiny_run
-from tests.conftest import read_metrics, read_summary, run_cli, tiny_overrides
+from tests._runs import LOGGED, Run, tiny_run
+from tests.conftest import cli_run, read_metrics, read_summary, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,10 +24,7 @@ MEMORY_KEYS = {"rank", "device", "params_bytes", "grads_bytes", "optimizer_bytes
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, corpus_dir, cache_dir) -> Run:
     """One 2-worker run (the session's) shared by the tests that only look at what it left."""
-    return tiny_run(tmp_path_factory, corpus_dir, cache_dir, **{
-        "trainer.devices": "cpu:2", "trainer.max_steps": 30, "trainer.log_every": 5,
-        "trainer.eval_every": 10, "trainer.eval_samples": 64, "trainer.progress_bar": True,
-        "optim.lr": 3e-3})
+    return tiny_run(tmp_path_factory, corpus_dir, cache_dir, **LOGGED)
 
 
 def test_run_dir_holds_what_design_lists(trained_run, corpus_dir):
@@ -96,19 +93,17 @@ def test_saved_model_reproduces_validation_loss(trained_run, cache_dir):
     assert tok.vocab_size == cfg.data.vocab_size
 
 
-def test_generate_prints_a_continuation(trained_run):
-    cwd, run_dir = trained_run.cwd, trained_run.dir
-    r = run_cli(["generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "30"],
-                cwd=cwd, timeout=60)
+def test_generate_prints_a_continuation(trained_run, capsys):
+    run_dir = trained_run.dir
+    r = cli_run(capsys, ["generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "30"])
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def ") and len(r.stdout) > len("def ") + 10
-    again = run_cli(["generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "30"],
-                    cwd=cwd, timeout=60)
+    again = cli_run(capsys, ["generate", run_dir, "--prompt", "def ", "--max-new-tokens", "30"])
     assert again.stdout == r.stdout  # seeded
 
 
-def test_config_show(tmp_path):
-    r = run_cli(["config", "show", "trainer.max_steps=7"], cwd=tmp_path, timeout=60)
+def test_config_show(tmp_path, capsys):
+    r = cli_run(capsys, ["config", "show", "trainer.max_steps=7"])
     assert r.returncode == 0, r.stderr
     shown = yaml.safe_load(r.stdout)
     assert shown["trainer"]["max_steps"] == 7 and shown["model"]["arch"] == "llama"

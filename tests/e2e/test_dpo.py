@@ -17,14 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, finish, read_metrics, read_summary, run_cli, start_cli
+from tests.conftest import (
+    REPO,
+    cli_error,
+    finish,
+    read_metrics,
+    read_summary,
+    run_cli,
+    start_cli,
+)
 from tests.e2e._preference_data import (
     N_VAL,
-    make_tiny_llama,
     preference_rows,
     small_run_args,
     write_jsonl,
-    write_preference_data,
 )
 
 pytest.importorskip("transformers")
@@ -34,13 +40,13 @@ REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "accuracy")
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("dpo-llama"))
+def llama(preference_llama) -> Path:
+    return preference_llama  # the session's (tests/e2e/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> tuple[Path, Path]:
-    return write_preference_data(tmp_path_factory.mktemp("dpo-data"))
+def data(preference_data) -> tuple[Path, Path]:
+    return preference_data
 
 
 def dpo_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:
@@ -283,22 +289,21 @@ def test_plan_counts_the_reference(tmp_path, llama, data, capsys):
     assert pre["ddp"]["device_bytes"] == full["ddp"]["device_bytes"] - params
 
 
-@pytest.mark.slow
-def test_bad_preference_input_is_one_line_exit_2_and_writes_nothing(tmp_path, llama, data):
-    """One real CLI process per kind of error (the rest are checked in-process in
-    tests/unit/test_preference.py): a bad key, and data with nothing to prefer."""
+def test_bad_preference_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch,
+                                                                     capsys, llama, data):
+    """A bad key, and data with nothing to prefer (refused in the launching process, before any
+    worker starts): one line, exit 2, nothing written. In this process through cli.main, as
+    tests/unit/test_preference.py checks the rest (test_errors.py checks the exit code of a
+    real process)."""
     train, val = data
-    r = run_cli(dpo_args(llama, train, val, tmp_path / "r1", **{"dpo.beta": -1}), cwd=tmp_path)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert lines[-1] == "paratrain: error: dpo.beta=-1.0 must be positive (the DPO paper uses " \
-                        "0.1 to 0.5)", r.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(capsys, dpo_args(llama, train, val, tmp_path / "r1", **{"dpo.beta": -1}))
+    assert line == "paratrain: error: dpo.beta=-1.0 must be positive (the DPO paper uses " \
+                   "0.1 to 0.5)", line
     same = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "a", "chosen": " b", "rejected": " b"}
                                                  for _ in range(8)])
-    r = run_cli(dpo_args(llama, same, val, tmp_path / "r2"), cwd=tmp_path)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "every pair of" in r.stderr.strip().splitlines()[-1] and "chosen = rejected" in \
-        r.stderr.strip().splitlines()[-1]
+    line = cli_error(capsys, dpo_args(llama, same, val, tmp_path / "r2"))
+    assert "every pair of" in line and "chosen = rejected" in line, line
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
 
 

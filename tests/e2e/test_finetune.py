@@ -18,6 +18,7 @@ from tests._runs import Run, tiny_run, trained_run
 from tests.conftest import (
     REPO,
     cli_error,
+    cli_run,
     finish,
     read_metrics,
     read_summary,
@@ -107,7 +108,8 @@ def _val_loss_on_outputs(model_dir: Path, val: Path, model=None) -> float:
     return total / count
 
 
-def test_pretrain_export_finetune_generate(tmp_path, tmp_path_factory, pretrained, pairs):
+def test_pretrain_export_finetune_generate(tmp_path, tmp_path_factory, pretrained, pairs,
+                                           capsys):
     train, val = pairs
     before = _val_loss_on_outputs(pretrained, val)
     r = _finetuned(tmp_path_factory, pretrained, train, val)  # the LoRA test's full run too
@@ -120,8 +122,8 @@ def test_pretrain_export_finetune_generate(tmp_path, tmp_path_factory, pretraine
     # the model's own tokenizer, carried unchanged
     assert (run_dir / "model" / "tokenizer.json").read_bytes() == \
         (pretrained / "tokenizer.json").read_bytes()
-    g = run_cli(["generate", str(run_dir), "--prompt", "def read(self, size):",
-                 "--max-new-tokens", "8"], cwd=tmp_path)
+    g = cli_run(capsys, ["generate", str(run_dir), "--prompt", "def read(self, size):",
+                         "--max-new-tokens", "8"])
     assert g.returncode == 0, g.stderr[-2000:]
     assert g.stdout.startswith("def read(self, size):")
 
@@ -225,14 +227,15 @@ def test_lora_trains_adapters_only_and_reloads_with_peft(tmp_path_factory, pretr
     assert lora_opt <= 0.05 * full_opt, (lora_opt, full_opt)
 
 
-def test_lora_target_modules_matching_nothing_lists_names(tmp_path, pretrained, pairs):
+def test_lora_target_modules_matching_nothing_lists_names(tmp_path, monkeypatch, capsys,
+                                                          pretrained, pairs):
+    """In this process, through cli.main (test_errors.py checks a real process's exit code)."""
     pytest.importorskip("peft")
     train, val = pairs
-    r = run_cli(_finetune_args(pretrained, train, val, tmp_path / "r", **{
-        "model.lora.r": 4, "model.lora.target_modules": "[nope]"}), cwd=tmp_path)
-    assert r.returncode == 2
-    line = r.stderr.strip().splitlines()[-1]
-    assert "model.lora.target_modules" in line and "q_proj" in line, r.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(capsys, _finetune_args(pretrained, train, val, tmp_path / "r", **{
+        "model.lora.r": 4, "model.lora.target_modules": "[nope]"}))
+    assert "model.lora.target_modules" in line and "q_proj" in line, line
 
 
 def test_finetune_example_runs_with_lora(tmp_path, pretrained):
@@ -356,8 +359,8 @@ def test_chat_records_train_on_assistant_turns_and_generate_with_the_template(
     assert (run_dir / "model" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
     assert (run_dir / "model" / "tokenizer.json").read_bytes() == \
         (pretrained / "tokenizer.json").read_bytes()
-    g = run_cli(["generate", str(run_dir), "--prompt", "def read(self):", "--max-new-tokens",
-                 "4"], cwd=tmp_path)
+    g = cli_run(capsys, ["generate", str(run_dir), "--prompt", "def read(self):",
+                         "--max-new-tokens", "4"])
     assert g.returncode == 0 and g.stdout.startswith("def read(self):"), g.stderr[-2000:]
     # chat data without any template: one line, exit 2 (in this process)
     monkeypatch.chdir(tmp_path)

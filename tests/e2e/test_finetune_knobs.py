@@ -11,20 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics, run_cli, tiny_overrides
-from tests.e2e._tiny_model import make_pairs, make_tiny_llama, write_jsonl
+from tests.conftest import cli_error, cli_refusal, read_metrics, tiny_overrides
+from tests.e2e._tiny_model import make_pairs, write_jsonl
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
+def folder(tmp_path_factory, pairs_llama) -> Path:
     """A user's folder: my-model/ (a tiny local Llama, 256 positions) and train.jsonl."""
     here = tmp_path_factory.mktemp("user")
-    rows = make_pairs(120)
-    make_tiny_llama(here / "my-model", [r["input"] + " " + r["output"] for r in rows])
-    write_jsonl(here / "train.jsonl", rows)
+    shutil.copytree(pairs_llama, here / "my-model")  # the session's (conftest), on its pairs
+    write_jsonl(here / "train.jsonl", make_pairs(120))
     return here
 
 
@@ -34,27 +33,22 @@ def _train(*extra: str) -> list[str]:
             "trainer.max_steps=4", "trainer.progress_bar=false", *extra]
 
 
-def _one_line(r) -> str:
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith("paratrain: error: "), r.stderr[-3000:]
-    return line
-
-
-def test_bad_fine_tuning_input_is_refused_before_the_data_is_read(folder, tmp_path):
-    """One CLI process per kind of error; nothing is written."""
+def test_bad_fine_tuning_input_is_refused_before_the_data_is_read(folder, tmp_path, monkeypatch,
+                                                                 capsys):
+    """Each kind of error in one line, exit 2, nothing written; in this process, through the same
+    cli.main (test_errors.py checks the exit code of a real process)."""
     work = tmp_path / "work"
     shutil.copytree(folder, work)
-    line = _one_line(run_cli(_train("data.max_length=100000"), cwd=work))
+    monkeypatch.chdir(work)
+    line = cli_error(capsys, _train("data.max_length=100000"))
     assert "data.max_length=100000" in line and "max_position_embeddings=256" in line
-    r = run_cli(_train("model.lora.r=8", "model.lora.target_modules=[q_proj,value]"), cwd=work)
-    line = _one_line(r)
+    line, err = cli_refusal(capsys, _train("model.lora.r=8",
+                                           "model.lora.target_modules=[q_proj,value]"))
     assert "'value' matches no module" in line and "v_proj" in line
-    assert "rows ->" not in r.stderr  # refused before the records were encoded
+    assert "rows ->" not in err  # refused before the records were encoded
     weights = work / "my-model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:4096])  # a download cut short
-    line = _one_line(run_cli(_train(), cwd=work))
+    line = cli_error(capsys, _train())
     assert "my-model/model.safetensors are damaged" in line
     assert not (work / "runs").exists()
 

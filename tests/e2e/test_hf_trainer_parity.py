@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e._tiny_model import make_pairs, make_tiny_llama
+from tests.e2e._tiny_model import make_pairs
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -19,11 +19,9 @@ STEPS, WARMUP, LR = 12, 3, 3e-3
 
 
 @pytest.fixture(scope="module")
-def model_and_rows(tmp_path_factory):
-    rows = make_pairs(96)
-    folder = make_tiny_llama(tmp_path_factory.mktemp("parity") / "tiny-llama",
-                             [r["input"] + " " + r["output"] for r in rows])
-    return folder, rows
+def model_and_rows(pairs_llama):
+    """The session's tiny Llama (conftest; its tokenizer trained on 120 pairs) and 96 pairs."""
+    return pairs_llama, make_pairs(96)
 
 
 class _Examples(torch.utils.data.Dataset):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import (
+    cli_run,
     corpus_texts,
     make_hf_tokenizer,
     read_metrics,
@@ -76,7 +77,8 @@ def test_trains_and_the_cache_holds_the_tokenizers_encoding(run, tokenizers, cor
     assert seen == len(texts)
 
 
-def test_model_dir_and_snapshots_carry_the_tokenizer_unchanged(run, tokenizers, tmp_path):
+def test_model_dir_and_snapshots_carry_the_tokenizer_unchanged(run, tokenizers, tmp_path,
+                                                               capsys):
     run_dir, _, _ = run
     files = sorted(p.name for p in tokenizers[0].iterdir())
     assert "tokenizer_config.json" in files
@@ -84,14 +86,13 @@ def test_model_dir_and_snapshots_carry_the_tokenizer_unchanged(run, tokenizers, 
     for folder in (run_dir / "model", snapshot):
         for name in files:
             assert (folder / name).read_bytes() == (tokenizers[0] / name).read_bytes(), name
-    r = run_cli(["checkpoint", "export", str(snapshot), str(tmp_path / "exported")], cwd=tmp_path,
-                timeout=120)
+    r = cli_run(capsys, ["checkpoint", "export", str(snapshot), str(tmp_path / "exported")])
     assert r.returncode == 0, r.stderr[-2000:]
     for name in files:
         assert (tmp_path / "exported" / name).read_bytes() == (tokenizers[0] / name).read_bytes()
 
 
-def test_load_model_and_generate_use_the_pretrained_tokenizer(run, tokenizers):
+def test_load_model_and_generate_use_the_pretrained_tokenizer(run, tokenizers, capsys):
     from paratrain.models.files import load_model
     run_dir, _, _ = run
     hf = transformers.AutoTokenizer.from_pretrained(tokenizers[0], local_files_only=True)
@@ -100,18 +101,17 @@ def test_load_model_and_generate_use_the_pretrained_tokenizer(run, tokenizers):
                                                                      hf.eos_token_id)
     prompt = "def get_payload(self"
     assert tok.encode(prompt) == hf(prompt, add_special_tokens=False)["input_ids"]
-    g = run_cli(["generate", str(run_dir), "--prompt", prompt, "--max-new-tokens", "20",
-                 "--device", "cpu"], cwd=run_dir.parent, timeout=120)
+    g = cli_run(capsys, ["generate", str(run_dir), "--prompt", prompt, "--max-new-tokens", "20",
+                         "--device", "cpu"])
     assert g.returncode == 0 and g.stdout.startswith(prompt), g.stderr[-2000:]
     assert len(g.stdout) > len(prompt) + 5
 
 
-def test_hf_export_keeps_the_tokenizer_and_matches_logits(run, tokenizers, tmp_path):
+def test_hf_export_keeps_the_tokenizer_and_matches_logits(run, tokenizers, tmp_path, capsys):
     from paratrain.models.files import load_model
     run_dir, _, _ = run
     out = tmp_path / "hf"
-    r = run_cli(["checkpoint", "export", str(run_dir), str(out), "--format", "hf"],
-                cwd=tmp_path, timeout=120)
+    r = cli_run(capsys, ["checkpoint", "export", str(run_dir), str(out), "--format", "hf"])
     assert r.returncode == 0, r.stderr[-2000:]
     for p in tokenizers[0].iterdir():
         assert (out / p.name).read_bytes() == p.read_bytes()

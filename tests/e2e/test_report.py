@@ -10,8 +10,8 @@ import struct
 
 import pytest
 
-from tests._runs import tiny_run
-from tests.conftest import read_metrics, read_summary, run_cli
+from tests._runs import LOGGED, tiny_run
+from tests.conftest import cli_run, read_metrics, read_summary
 
 pytestmark = pytest.mark.timeout(300)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,12 +26,11 @@ def png_size(path) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, corpus_dir, cache_dir):
-    """(where it ran, the run dir) of the session's 2-worker run of 12 steps: read only."""
+    """(where it ran, the run dir) of the session's 2-worker run of 30 steps (`LOGGED`, the one
+    test_cli.py reads too): read only."""
     pytest.importorskip("matplotlib")
     pytest.importorskip("tensorboard")
-    trained = tiny_run(tmp_path_factory, corpus_dir, cache_dir, **{
-        "trainer.devices": "cpu:2", "trainer.max_steps": 12, "trainer.log_every": 2,
-        "trainer.eval_every": 6, "trainer.eval_samples": 32})
+    trained = tiny_run(tmp_path_factory, corpus_dir, cache_dir, **LOGGED)
     return trained.cwd, trained.dir
 
 
@@ -60,8 +59,8 @@ def test_report_draws_the_final_validation_loss_as_a_point(run):
     drawn = json.loads(png_text(run_dir / "report.png")["paratrain"])["validation"]
     rows, summary = read_metrics(run_dir), read_summary(run_dir)
     during = [[m["step"], m["val_loss"]] for m in rows if "val_loss" in m]
-    assert during and drawn[:-1] == during  # the evaluation at step 6...
-    assert drawn[-1] == [12, summary["val_loss"]]  # ...and the final one, at the last step
+    assert during and drawn[:-1] == during  # the evaluations at steps 10 and 20...
+    assert drawn[-1] == [30, summary["val_loss"]]  # ...and the final one, at the last step
 
 
 def test_tensorboard_events_match_metrics_jsonl(run):
@@ -73,7 +72,7 @@ def test_tensorboard_events_match_metrics_jsonl(run):
     assert {"train/loss", "train/lr", "perf/tokens_per_s", "val/loss"} <= tags
     rows = read_metrics(run_dir)
     logged = {e.step: e.value for e in ea.Scalars("train/loss")}
-    assert sorted(logged) == [m["step"] for m in rows] == [2, 4, 6, 8, 10, 12]
+    assert sorted(logged) == [m["step"] for m in rows] == [5, 10, 15, 20, 25, 30]
     for m in rows:
         assert logged[m["step"]] == pytest.approx(m["loss"], rel=1e-6)  # stored as float32
     val = {e.step: e.value for e in ea.Scalars("val/loss")}
@@ -83,23 +82,23 @@ def test_tensorboard_events_match_metrics_jsonl(run):
     for entry in summary["memory"]:
         tag = f"memory/rank{entry['rank']}/params_mb"
         [event] = ea.Scalars(tag)
-        assert event.step == 12
+        assert event.step == 30
         assert event.value == pytest.approx(entry["params_bytes"] / 2**20, rel=1e-6)
 
 
-def test_report_command_redraws(run, tmp_path):
+def test_report_command_redraws(run, tmp_path, capsys):
     cwd = tmp_path
     run_dir = shutil.copytree(run[1], tmp_path / "run")  # this test changes what it finds
     png = run_dir / "report.png"
     png.unlink()
-    r = run_cli(["report", str(run_dir)], cwd=cwd, timeout=60)
+    r = cli_run(capsys, ["report", str(run_dir)])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "report.png" in r.stdout and png_size(png)[0] >= 800
     # a running run (no summary.json yet) is drawn too, to another file
     summary = run_dir / "summary.json"
     os.rename(summary, run_dir / "summary.bak")
     try:
-        r = run_cli(["report", str(run_dir), "--out", str(cwd / "live.png")], cwd=cwd, timeout=60)
+        r = cli_run(capsys, ["report", str(run_dir), "--out", str(cwd / "live.png")])
     finally:
         os.rename(run_dir / "summary.bak", summary)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -12,12 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import read_metrics, read_summary, run_cli
+from tests.conftest import cli_run, read_metrics, read_summary, run_cli
 from tests.e2e._preference_data import (
     N_VAL,
-    make_tiny_llama,
     small_run_args,
-    write_preference_data,
 )
 
 pytest.importorskip("transformers")
@@ -27,13 +25,13 @@ FIGURES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "accu
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("reward-llama"))
+def llama(preference_llama) -> Path:
+    return preference_llama  # the session's (tests/e2e/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> tuple[Path, Path]:
-    return write_preference_data(tmp_path_factory.mktemp("reward-data"))
+def data(preference_data) -> tuple[Path, Path]:
+    return preference_data
 
 
 def reward_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:
@@ -61,7 +59,7 @@ def test_one_and_two_workers_give_the_same_run(tmp_path, llama, data):
         assert s1[key] == pytest.approx(s2[key], abs=1e-5), key
 
 
-def test_accuracy_rises_and_the_saved_model_scores_the_same(tmp_path, llama, data):
+def test_accuracy_rises_and_the_saved_model_scores_the_same(tmp_path, llama, data, capsys):
     train, val = data
     run_dir = tmp_path / "run"
     r = run_cli(reward_args(llama, train, val, run_dir, **{
@@ -87,7 +85,7 @@ def test_accuracy_rises_and_the_saved_model_scores_the_same(tmp_path, llama, dat
     right = sum(c > r_ for c, r_ in zip(scores["chosen"], scores["rejected"])) / len(rows)
     assert right == s["val_accuracy"]
     text = rows[0]["prompt"] + rows[0]["chosen"]
-    g = run_cli(["generate", str(run_dir), "--prompt", text], cwd=tmp_path)
+    g = cli_run(capsys, ["generate", str(run_dir), "--prompt", text])
     assert g.returncode == 0, g.stderr[-2000:]
     assert float(g.stdout) == pytest.approx(scores["chosen"][0], abs=1e-5)
     assert "reward model" in g.stderr

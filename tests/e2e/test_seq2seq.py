@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import read_metrics, read_summary, run_cli
+from tests.conftest import cli_run, read_metrics, read_summary, run_cli
 from tests.e2e._preference_data import make_tiny_t5, preference_rows, small_run_args, write_jsonl
 
 pytest.importorskip("transformers")
@@ -118,7 +118,7 @@ def _loss_with_transformers(model, task, rows: list[dict]) -> float:
 
 
 @pytest.mark.slow
-def test_saved_folder_reloads_with_the_runs_loss_and_generates(tmp_path, runs, t5, data):
+def test_saved_folder_reloads_with_the_runs_loss_and_generates(tmp_path, runs, t5, data, capsys):
     import transformers
     run_dir = runs["fsdp"]
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(run_dir / "model",
@@ -129,8 +129,8 @@ def test_saved_folder_reloads_with_the_runs_loss_and_generates(tmp_path, runs, t
         read_summary(run_dir)["val_loss"], abs=1e-5)
     assert (run_dir / "model" / "tokenizer.json").read_bytes() == \
         (t5 / "tokenizer.json").read_bytes()
-    g = run_cli(["generate", str(run_dir), "--prompt", rows[0]["input"], "--temperature", "0",
-                 "--max-new-tokens", "6"], cwd=tmp_path)
+    g = cli_run(capsys, ["generate", str(run_dir), "--prompt", rows[0]["input"], "--temperature",
+                         "0", "--max-new-tokens", "6"])
     assert g.returncode == 0, g.stderr[-2000:]
     ids = task.tokenizer(rows[0]["input"], return_tensors="pt")
     greedy = model.generate(**ids, max_new_tokens=6, do_sample=False)

@@ -23,11 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from tests.e2e._tiny_model import make_pairs, make_tiny_llama
-    rows = make_pairs(40)
-    return make_tiny_llama(tmp_path_factory.mktemp("unit") / "my-model",
-                           [r["input"] + " " + r["output"] for r in rows])
+def tiny(pairs_llama) -> Path:
+    return pairs_llama  # the session's my-model/ (conftest): read only
 
 
 def _pairs(tiny: Path, *extra: str) -> TrainConfig:

@@ -1,0 +1,23 @@
+"""Fixtures shared by the end-to-end files: what several of them build alike is built once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def preference_llama(tmp_path_factory) -> Path:
+    """The tiny causal Llama of the preference tests (DPO, reward models): one model folder
+    that they read and never change."""
+    pytest.importorskip("transformers")
+    from tests.e2e._preference_data import make_tiny_llama
+    return make_tiny_llama(tmp_path_factory.mktemp("preference-llama"))
+
+
+@pytest.fixture(scope="session")
+def preference_data(tmp_path_factory) -> tuple[Path, Path]:
+    """Their train.jsonl and val.jsonl (`write_preference_data`)."""
+    from tests.e2e._preference_data import write_preference_data
+    return write_preference_data(tmp_path_factory.mktemp("preference-data"))
