@@ -55,7 +55,7 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
 
     from ..parallel.precision import prepare_model
     from ..tasks import registry
-    from .snapshotter import state_options
+    from .snapshot_state import state_options
     out = Path(out)
     config = marker.get("config")
     if not isinstance(config, dict):
