@@ -88,7 +88,7 @@ def fingerprint(cfg: TrainConfig, task: str, train_records: Any, val_records: An
                 tokenizer_dir: Path) -> str:
     """The cache key of these records encoded by `task` (its class name) under `cfg`.
     `*_records`: a path (file or folder) or a list of rows; None: no validation records."""
-    from .records import records_fingerprint
+    from .rows import records_fingerprint
     d = cfg.data
     settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in _NOT_ENCODING}
     template = Path(str(d.chat_template)).expanduser()
