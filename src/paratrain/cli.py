@@ -114,7 +114,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     import json
 
     from .config import TrainConfig
-    from .parallel.memory_plan import format_plan, plan_for_config
+    from .parallel.memory_estimate import format_plan, plan_for_config
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)
     if at_scale(cfg):  # a target layout, or tensor parallelism: simulate the parallelized model

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from paratrain import TrainConfig, load_model
-from paratrain.parallel.memory_plan import plan_for_config
+from paratrain.parallel.memory_estimate import plan_for_config
 from tests._runs import TWO_WORKERS, tiny_run
 from tests.conftest import read_metrics, read_summary
 

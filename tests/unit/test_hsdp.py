@@ -11,7 +11,7 @@ import torch
 from paratrain import TrainConfig
 from paratrain.errors import ConfigError
 from paratrain.models import build_model, resolve_model_config
-from paratrain.parallel.memory_plan import choose, estimate
+from paratrain.parallel.memory_estimate import choose, estimate
 from paratrain.parallel.strategies import DDP, FSDP, HSDP, resolve_parallelism
 
 CPU = torch.device("cpu")
@@ -109,7 +109,7 @@ def test_config_checks(overrides, words):
 
 
 def test_paratrain_plan_shows_hsdp_and_refuses_a_bad_group():
-    from paratrain.parallel.memory_plan import plan_for_config
+    from paratrain.parallel.memory_estimate import plan_for_config
     over = ["model.preset=tiny", "data.vocab_size=384", "data.seq_length=32",
             "trainer.devices=cpu:2", "distributed.nnodes=2", "distributed.master_port=29500"]
     rows, _, _ = plan_for_config(TrainConfig.from_yaml(None, over))

@@ -255,7 +255,7 @@ def test_auto_picks_the_smallest_pipeline_only_when_nothing_else_fits(tmp_path, 
     state on each replica) more. On a device that fits P=4 and nothing else, auto picks P=4,
     says why, and the run plan is that pipeline; on one that also fits fsdp+ac, fsdp+ac."""
     from paratrain.dist import DistEnv
-    from paratrain.parallel.memory_plan import MARGIN, estimate
+    from paratrain.parallel.memory_estimate import MARGIN, estimate
     from paratrain.runplan import auto_choice, auto_pipelines, make_plan
     from paratrain.runtime.rank import prepare_task
     from tests.conftest import tiny_overrides

@@ -35,7 +35,7 @@ from ..errors import ConfigError
 from ..formatting import human_bytes
 from .fake_world import fake_world
 from .memory import SavedTensorMeter, local_bytes
-from .memory_plan import MARGIN, Choice, Estimate, choose
+from .memory_estimate import MARGIN, Choice, Estimate, choose
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .pipeline_schedules import in_flight
@@ -321,7 +321,7 @@ def target_of(cfg: Any) -> Target:
     """plan.nodes / plan.devices_per_node / plan.device_memory_gb, each defaulting to this
     machine's (distributed.nnodes, trainer.devices, the device's memory)."""
     from ..launch.environment import parse_devices
-    from .memory_plan import device_capacity
+    from .memory_estimate import device_capacity
     devices = parse_devices(cfg.trainer.devices)
     per_node = cfg.plan.devices_per_node or len(devices)
     capacity = int(cfg.plan.device_memory_gb * 1e9) if cfg.plan.device_memory_gb \
