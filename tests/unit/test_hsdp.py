@@ -109,10 +109,10 @@ def test_config_checks(overrides, words):
 
 
 def test_paratrain_plan_shows_hsdp_and_refuses_a_bad_group():
-    from paratrain.parallel.memory_estimate import plan_for_config
+    from paratrain.parallel.memory_estimate import estimates_for_config
     over = ["model.preset=tiny", "data.vocab_size=384", "data.seq_length=32",
             "trainer.devices=cpu:2", "distributed.nnodes=2", "distributed.master_port=29500"]
-    rows, _, _ = plan_for_config(TrainConfig.from_yaml(None, over))
+    rows, _, _ = estimates_for_config(TrainConfig.from_yaml(None, over))
     assert [r.label for r in rows][:3] == ["ddp", "hsdp", "fsdp"]
     with pytest.raises(ConfigError, match="trainer.shard_group_size=3 must divide"):
-        plan_for_config(TrainConfig.from_yaml(None, over + ["trainer.shard_group_size=3"]))
+        estimates_for_config(TrainConfig.from_yaml(None, over + ["trainer.shard_group_size=3"]))

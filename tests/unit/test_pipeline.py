@@ -138,12 +138,12 @@ def test_stages_in_a_row_are_the_model_under_its_names(arch, checkpointing):
 
 
 def _plan_rows(*overrides):
-    from paratrain.parallel.simulate import plan_at_scale
+    from paratrain.parallel.simulate import simulate_at_scale
     cfg = TrainConfig.from_yaml(None, ["model.preset=tiny", "model.num_layers=4",
                                        "trainer.devices=cpu:4", "trainer.batch_size=2",
                                        "trainer.global_batch_size=16", "plan.device_memory_gb=1",
                                        "trainer.pipeline_parallel=2", *overrides])
-    rows = plan_at_scale(cfg)[0]
+    rows = simulate_at_scale(cfg)[0]
     return {r.label: r for r in rows}
 
 

@@ -1,4 +1,4 @@
-"""The plan of a run on devices you do not have: `paratrain plan plan.nodes=128
+"""`paratrain plan`'s simulation of devices you do not have: `paratrain plan plan.nodes=128
 plan.devices_per_node=8 ...` builds the real parallelized model, through the same `parallelize`
 that training calls (TP -> AC -> compile -> FSDP), on the meta device (no memory) as rank 0 of a
 fake process group of the target's world size (no processes, no communication), and reads what
@@ -49,7 +49,7 @@ META = torch.device("meta")
 
 @dataclass(frozen=True)
 class Target:
-    """The layout a plan is for: nodes x devices per node, and one device's memory."""
+    """The devices a simulation is for: nodes x devices per node, and one device's memory."""
     nodes: int
     devices_per_node: int
     capacity: int  # bytes
@@ -66,7 +66,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Simulated(Estimate):
-    """A plan row read from the simulated model: Estimate's bytes on rank 0, plus the bytes it
+    """A row of the simulation, read from the simulated model: Estimate's bytes on rank 0, plus the bytes it
     sends per optimizer step ({mesh dimension: {collective: bytes}})."""
     sent: dict = field(default_factory=dict)
     asked: bool = False  # the layout the config asks for
@@ -329,7 +329,7 @@ def target_of(cfg: Any) -> Target:
     return Target(cfg.plan.nodes or cfg.distributed.max_nodes, per_node, capacity)
 
 
-def plan_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
+def simulate_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
     """(rows, target, auto's pick, workload) for a TrainConfig with one of our models."""
     from ..models import build_model, resolve_model_config
     if cfg.model.arch not in ("llama", "gpt"):
