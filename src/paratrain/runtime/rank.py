@@ -63,12 +63,12 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
     failed = False
     stop = StopSignals().install()  # noted from now on; the loop acts on it between steps
     try:
-        loop = run.start(plan, given, stop)
-        stall_watchdog.watch(loop.progress, run.plan.parallelism.roles(env.world_size))
+        run.start(plan, given, stop)
+        stall_watchdog.watch(run.loop.progress, run.plan.parallelism.roles(env.world_size))
         last = run.train()
-        if loop.stopped_by:  # a stop signal: the snapshot is committed; no evaluation, no model
+        if run.loop.stopped_by:  # a stop signal: the snapshot is committed; no evaluation
             return {"summary": {}, "run_dir": str(cfg.run_dir), "is_master": env.is_master,
-                    "stopped_by": loop.stopped_by, "step": loop.state.step}
+                    "stopped_by": run.loop.stopped_by, "step": run.loop.state.step}
         return run.finish(last)
     except Exception as e:
         failed = True
@@ -118,7 +118,7 @@ class RankRun:
         self.records: Optional[loggers.RunRecords] = None
 
     def start(self, plan: Optional[RunPlan], given: Union[Task, TaskRecords, None],
-              stop: StopSignals) -> TrainLoop:
+              stop: StopSignals) -> None:
         """Everything before the first step, in the order each part needs the one before: the
         task, the plan (torchrun / Slurm), the model and optimizer, the snapshot to resume
         from (which decides the run dir's fate and the world history), the start lines, and
@@ -149,7 +149,6 @@ class RankRun:
                               frozen=self.frozen, snapshots=self.snapshots, resumed=resumed,
                               on_best=self._save_best if cfg.trainer.keep_best else None,
                               stop=stop, pipeline=pipeline)
-        return self.loop
 
     def _save_best(self, step: int) -> None:
         """keep_best: a new best evaluation's weights, until the run ends (collective: every
