@@ -115,17 +115,17 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     import json
 
     from .config.tree import TrainConfig
-    from .parallel.memory_plan import format_plan, plan_for_config
+    from .parallel.memory_estimate import estimates_for_config, format_estimates
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)
     if at_scale(cfg):  # a target layout, or tensor parallelism: simulate the parallelized model
-        from .parallel.simulate import format_simulation, plan_at_scale
-        rows, target, pick, work = plan_at_scale(cfg)
+        from .parallel.simulate import format_simulation, simulate_at_scale
+        rows, target, pick, work = simulate_at_scale(cfg)
         capacity = target.capacity
         text = format_simulation(rows, target, pick, work, cfg.model.preset or cfg.model.arch)
     else:  # this machine: measure activations with a real forward on the CPU
-        rows, capacity, pick = plan_for_config(cfg, probe=_task_probe(cfg))
-        text = format_plan(rows, capacity, pick)
+        rows, capacity, pick = estimates_for_config(cfg, probe=_task_probe(cfg))
+        text = format_estimates(rows, capacity, pick)
     if ns.json:
         print(json.dumps({"rows": [r.to_dict() for r in rows], "capacity_bytes": capacity,
                           "auto": {"strategy": pick.label, "why": pick.why}}, indent=2))

@@ -18,7 +18,7 @@ import torch
 from .config.tree import TrainConfig
 from .errors import ConfigError, DataError
 from .parallel.dims import ParallelDims
-from .parallel.memory_plan import Choice, Estimate, choose, device_capacity, estimate, \
+from .parallel.memory_estimate import Choice, Estimate, choose, device_capacity, estimate, \
     pipeline_estimate
 from .parallel.pipeline import PipelineParallel, check_schedule, resolve_pipeline_parallel
 from .parallel.strategies import Parallelism, resolve_parallelism

@@ -288,7 +288,7 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
     """Trainer(model="DIR", ...): (the records to send to the workers, or None when they are
     read from data.source; the config overrides that say so). `task`: a registered fine-tuning
     task (data.format); None: pairs, or the task whose fields the records hold."""
-    from .data.records import read_rows, rows_from_lists
+    from .data.rows import read_rows, rows_from_lists
     tuning = registry.names(pretrained=True)
     if task is not None and task not in tuning:
         raise ConfigError(f"task={task!r} is not one of: {', '.join(tuning)} (or leave it out: "

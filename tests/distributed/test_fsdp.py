@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from paratrain import TrainConfig, load_model
-from paratrain.parallel.memory_plan import plan_for_config
+from paratrain.parallel.memory_estimate import estimates_for_config
 from tests._runs import TWO_WORKERS, tiny_run
 from tests.conftest import read_metrics, read_summary
 
@@ -66,7 +66,7 @@ def test_plan_matches_what_the_runs_measured(ddp_and_fsdp):
     _, s_fsdp, _, _ = ddp_and_fsdp["fsdp"]
     cfg = TrainConfig.from_yaml(None, [o for o in over if not o.startswith("data.vocab")]
                                 + ["data.vocab_size=384", "trainer.batch_size=4"])
-    rows, _, _ = plan_for_config(cfg, world=2)
+    rows, _, _ = estimates_for_config(cfg, world=2)
     by = {r.label: r for r in rows}
     for name, measured in (("ddp", s_ddp["memory"][0]), ("fsdp", s_fsdp["memory"][0])):
         row = by[name]

@@ -82,10 +82,10 @@ def test_the_simulation_holds_what_the_pipeline_run_held(request, layout):
     device: rank 0's parameter, gradient and optimizer bytes are what the real run measured
     (its stage sharded by FSDP or split by TP as the run did it)."""
     from paratrain import TrainConfig
-    from paratrain.parallel.simulate import plan_at_scale
+    from paratrain.parallel.simulate import simulate_at_scale
     run = _ref(request, **layout)
     cfg = TrainConfig.from_yaml(run / "config.yaml", ["plan.device_memory_gb=1"])
-    [row] = [r for r in plan_at_scale(cfg)[0] if r.asked]
+    [row] = [r for r in simulate_at_scale(cfg)[0] if r.asked]
     real = read_summary(run)["memory"][0]
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         assert getattr(row, key) == real[key], key

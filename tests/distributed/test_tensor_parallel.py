@@ -125,10 +125,10 @@ def test_the_simulation_holds_what_the_four_process_runs_held(request):
     device: rank 0's parameter, gradient and optimizer bytes equal what the real FSDP x TP and
     DDP runs measured on their rank 0 (summary.json)."""
     from paratrain import TrainConfig
-    from paratrain.parallel.simulate import plan_at_scale
+    from paratrain.parallel.simulate import simulate_at_scale
     fsdp_tp, ddp = _ref(request, **FSDP_TP), _ref(request, **DDP4)
     cfg = TrainConfig.from_yaml(fsdp_tp / "config.yaml", ["plan.device_memory_gb=1"])
-    rows, target, _, _ = plan_at_scale(cfg)
+    rows, target, _, _ = simulate_at_scale(cfg)
     assert target.world == 4
     by = {r.label: r for r in rows}
     for label, run in (("fsdp+tp2", fsdp_tp), ("ddp", ddp)):

@@ -90,7 +90,7 @@ def _val_loss_on_outputs(model_dir: Path, val: Path, model=None) -> float:
     from paratrain.data.examples import PadCollate
     from paratrain.data.finetune import encode_pairs
     from paratrain.data.hf_tokenizer import load_tokenizer
-    from paratrain.data.records import read_rows
+    from paratrain.data.rows import read_rows
     from paratrain.tasks.base import token_loss
     tok, _ = load_tokenizer(model_dir)
     examples, _ = encode_pairs(read_rows(str(val), what="val"), tok, max_length=64,

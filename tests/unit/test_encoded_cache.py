@@ -19,7 +19,7 @@ from paratrain.data.encoded import TokenizerFacts
 from paratrain.data.examples import FinetuneDataset, split_validation
 from paratrain.data.finetune import encode_pairs
 from paratrain.data.hf_tokenizer import load_tokenizer
-from paratrain.data.records import read_rows
+from paratrain.data.rows import read_rows
 from paratrain.dist import DistEnv
 from paratrain.config import registry
 from paratrain.tasks.base import TaskRecords

@@ -22,7 +22,7 @@ from paratrain.data.hf_tokenizer import (  # noqa: E402
     load_tokenizer,
     tokens_in_spans,
 )
-from paratrain.data.records import read_rows, rows_from_lists  # noqa: E402
+from paratrain.data.rows import read_rows, rows_from_lists  # noqa: E402
 from paratrain.data.stdlib_pairs import stdlib_pairs  # noqa: E402
 from paratrain.errors import ConfigError, DataError  # noqa: E402
 

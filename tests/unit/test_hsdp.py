@@ -11,7 +11,7 @@ import torch
 from paratrain import TrainConfig
 from paratrain.errors import ConfigError
 from paratrain.models import build_model, resolve_model_config
-from paratrain.parallel.memory_plan import choose, estimate
+from paratrain.parallel.memory_estimate import choose, estimate
 from paratrain.parallel.strategies import DDP, FSDP, HSDP, resolve_parallelism
 
 CPU = torch.device("cpu")
@@ -109,14 +109,14 @@ def test_config_checks(overrides, words):
 
 
 def test_paratrain_plan_shows_hsdp_and_refuses_a_bad_group():
-    from paratrain.parallel.memory_plan import plan_for_config
+    from paratrain.parallel.memory_estimate import estimates_for_config
     over = ["model.preset=tiny", "data.vocab_size=384", "data.seq_length=32",
             "trainer.devices=cpu:2", "distributed.nnodes=2", "distributed.master_port=29500"]
-    rows, capacity, pick = plan_for_config(TrainConfig.from_yaml(None, over))
+    rows, capacity, pick = estimates_for_config(TrainConfig.from_yaml(None, over))
     assert [r.label for r in rows][:3] == ["ddp", "hsdp", "fsdp"]
-    from paratrain.parallel.memory_plan import format_plan  # the pick, and the keys that fix it
-    assert format_plan(rows, capacity, pick).endswith(
+    from paratrain.parallel.memory_estimate import format_estimates  # the pick, and the keys that fix it
+    assert format_estimates(rows, capacity, pick).endswith(
         f"trainer.strategy=auto picks {pick.label} ({pick.why}); to fix it: "
         f"trainer.strategy={pick.parallelism.name}")
     with pytest.raises(ConfigError, match="trainer.shard_group_size=3 must divide"):
-        plan_for_config(TrainConfig.from_yaml(None, over + ["trainer.shard_group_size=3"]))
+        estimates_for_config(TrainConfig.from_yaml(None, over + ["trainer.shard_group_size=3"]))

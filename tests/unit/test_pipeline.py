@@ -143,12 +143,12 @@ def test_stages_in_a_row_are_the_model_under_its_names(arch, checkpointing):
 
 
 def _plan_rows(*overrides):
-    from paratrain.parallel.simulate import plan_at_scale
+    from paratrain.parallel.simulate import simulate_at_scale
     cfg = TrainConfig.from_yaml(None, ["model.preset=tiny", "model.num_layers=4",
                                        "trainer.devices=cpu:4", "trainer.batch_size=2",
                                        "trainer.global_batch_size=16", "plan.device_memory_gb=1",
                                        "trainer.pipeline_parallel=2", *overrides])
-    rows = plan_at_scale(cfg)[0]
+    rows = simulate_at_scale(cfg)[0]
     return {r.label: r for r in rows}
 
 
@@ -275,7 +275,7 @@ def test_auto_picks_the_smallest_pipeline_only_when_nothing_else_fits(tmp_path, 
     state on each replica) more. On a device that fits P=4 and nothing else, auto picks P=4,
     says why, and the run plan is that pipeline; on one that also fits fsdp+ac, fsdp+ac."""
     from paratrain.dist import DistEnv
-    from paratrain.parallel.memory_plan import MARGIN, estimate
+    from paratrain.parallel.memory_estimate import MARGIN, estimate
     from paratrain.runplan import auto_choice, auto_pipelines, make_plan
     from paratrain.runtime.rank import prepare_task
     from tests.conftest import tiny_overrides

@@ -11,7 +11,7 @@ import pytest
 
 from paratrain import TrainConfig
 from paratrain.models import resolve_model_config
-from paratrain.parallel.simulate import plan_at_scale
+from paratrain.parallel.simulate import simulate_at_scale
 
 # how our Llama plan splits each parameter (parallel/tensor.py): dim split over tp, or None
 COLUMNS = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "lm_head.weight",
@@ -49,7 +49,7 @@ def analytic_rank0_elements(args, tp: int, dp_shard: int) -> tuple[int, int]:
 
 def _plan(*overrides):
     cfg = TrainConfig.from_yaml(None, list(overrides))
-    rows, target, pick, work = plan_at_scale(cfg)
+    rows, target, pick, work = simulate_at_scale(cfg)
     args = resolve_model_config(cfg.model, vocab_size=cfg.data.vocab_size,
                                 seq_length=cfg.data.seq_length)
     return rows, (target, work), pick, args
@@ -100,7 +100,7 @@ def test_layouts_come_in_autos_order_and_the_figures_move_as_the_layouts_say():
     # takes it: tensor parallelism only when asked for (then the keys that ask for it)
     first = next(r for r in rows if r.device_bytes <= 0.8 * 80e9 and "tp" not in r.label)
     assert pick.label == first.label
-    from paratrain.parallel.memory_plan import layout_keys
+    from paratrain.parallel.memory_estimate import layout_keys
     from paratrain.parallel.simulate import format_simulation
     text = format_simulation(rows, target, pick, work, "llama3-8b")
     assert f"trainer.strategy=auto picks {pick.label} " in text and layout_keys(pick) in text

@@ -55,7 +55,7 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from ..parallel.precision import prepare_model
-    from .snapshotter import state_options
+    from .snapshot_state import state_options
     out = Path(out)
     config = marker.get("config")
     if not isinstance(config, dict):

@@ -3,20 +3,18 @@ committing, finding the one to continue from, and restoring it.
 
 Every rank writes its shard of model + optimizer with torch.distributed.checkpoint; rank 0 commits
 once all have written (the layout and the commit rule: store.py). Restoring gives back
-everything the next step depends on (weights, optimizer, LR schedule, gradient scaler, the loop's
-position and loss sums, every rank's RNG), so an interrupted run that resumes is bit-identical to
-one that never stopped. The save policy lives here, in `should_save`, as torchtitan's checkpoint
-manager owns its own.
+everything the next step depends on (weights, optimizer, LR schedule, gradient scaler, every
+rank's RNG: snapshot_state.py; the loop's position and loss sums: runtime/loop_state.py's
+LoopState), so an interrupted run that resumes is bit-identical to one that never stopped. The
+save policy lives here, in `should_save`, as torchtitan's checkpoint manager owns its own.
 """
 
 from __future__ import annotations
 
-import base64
 import datetime as _dt
 import time
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,6 +29,7 @@ from ..redact import redact_secrets, redact_url
 from ..runplan import RunPlan
 from . import integrity, store
 from .rundir import unloadable_message
+from .snapshot_state import Resumed, dcp_state, rng_state, set_rng_state, state_options
 from .store import Store
 
 # A one-process run saves with no process group, on purpose; DCP says so once per save, from its
@@ -38,17 +37,6 @@ from .store import Store
 # thread-safe). This one message only, process-wide.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized", category=UserWarning)
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """Where a run continues from. `rank` is this rank's own state (loss sums since the last log
-    line); None when the snapshot was written by another world size."""
-    url: str
-    step: int
-    loop: dict
-    rank: Optional[dict]
-    world_size: int
 
 
 class Snapshotter:
@@ -99,14 +87,14 @@ class Snapshotter:
     # ---- save ----------------------------------------------------------------------------
     def save(self, step: int, rank: dict, blocking: bool = False) -> Optional[bool]:
         """Snapshot after optimizer step `step`. `rank` is this rank's own (small, JSON) state:
-        its loss sums since the last log line. Returns once the state is staged (async: None) or
-        written and committed (sync, or `blocking`: a stop signal's last snapshot; True when it
-        was committed, False when it could not be written); the time it took is the loop's
-        stall."""
+        the loop's (`LoopState.to_snapshot`, runtime/loop_state.py). Returns once the state is
+        staged (async: None) or written and committed (sync, or `blocking`: a stop signal's last
+        snapshot; True when it was committed, False when it could not be written); the time it
+        took is the loop's stall."""
         import torch.distributed.checkpoint as dcp
         t0 = time.perf_counter()
         self.wait()  # one save at a time: the previous one is committed before the next starts
-        ranks = self.env.gather_objects({**rank, **_rng_state(self.env.device)})
+        ranks = self.env.gather_objects({**rank, **rng_state(self.env.device)})
         url = self.store.url(step)
         marker = None
         if self.env.is_master:
@@ -116,7 +104,7 @@ class Snapshotter:
                       "scheduler": self.scheduler.state_dict(),
                       "scaler": self.scaler.state_dict() if self.scaler else None,
                       "ranks": ranks, "config": redact_secrets(self.cfg.to_dict())}
-        state = self._state_dicts()
+        state = dcp_state(self.model, self.optimizer)
         writer = integrity.writer(url)  # checksums every file as it is written
         kw = dict(checkpoint_id=url, storage_writer=writer, process_group=self._pg,
                   no_dist=not self.env.distributed)
@@ -264,17 +252,6 @@ class Snapshotter:
         return {"count": n, "async": self.async_save, "stall_s": sum(self.stalls),
                 "mean_stall_s": sum(self.stalls) / n if n else None}
 
-    def _state_dicts(self) -> dict:
-        """Model and optimizer as DCP sees them: FQNs without wrapper prefixes, shards as
-        DTensors under FSDP, so any strategy and world size can load them. Frozen parameters
-        (LoRA's base) never change and are rebuilt from model.path on resume, so they are left
-        out: a snapshot holds what training changes."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        from ..parallel.tensor import storable
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
-                                            options=state_options(self.model))
-        return storable({"model": model_sd, "optim": optim_sd})
-
     # ---- resume --------------------------------------------------------------------------
     def resume(self) -> Optional[Resumed]:
         """Per `checkpoint.resume`: load the newest usable snapshot (auto), a named one (PATH),
@@ -282,23 +259,10 @@ class Snapshotter:
         run's newest snapshot. Snapshot folders beyond the resume point belong to the future
         that was lost: rank 0 deletes them, so the steps they named can be saved again."""
         env = self.env
-        plan: dict = {}
-        if env.is_master:
-            try:
-                plan = {"candidates": self._candidates()}
-            except Exception as e:  # told to every rank, or they would wait for rank 0 in vain
-                kind = type(e).__name__ if isinstance(e, ParatrainError) else "CheckpointError"
-                plan = {"error": (kind, str(e) if isinstance(e, ParatrainError) else
-                                  f"cannot read snapshots under {redact_url(self.store.root)!r}: "
-                                  f"{type(e).__name__}: {e}")}
-        plan = env.broadcast_object(plan)
-        if "error" in plan:
-            kind, msg = plan["error"]
-            raise {"ConfigError": ConfigError}.get(kind, CheckpointError)(msg)
+        candidates = self._candidates_of_rank0()
         from torch.distributed.checkpoint.api import CheckpointException
         resumed = None
         failures, damaged = [], []
-        candidates = plan["candidates"]
         for i, (url, marker) in enumerate(candidates):
             if marker.get("global_batch") != self.info["global_batch"]:
                 raise ConfigError(
@@ -370,6 +334,24 @@ class Snapshotter:
                       "lists such folders and how to clear them)")
         return True
 
+    def _candidates_of_rank0(self) -> list[tuple[str, dict]]:
+        """Collective: rank 0's list of snapshots to try, or its error, raised on every rank
+        (else the others would wait for rank 0 in vain)."""
+        found: dict = {}
+        if self.env.is_master:
+            try:
+                found = {"candidates": self._candidates()}
+            except Exception as e:
+                kind = type(e).__name__ if isinstance(e, ParatrainError) else "CheckpointError"
+                found = {"error": (kind, str(e) if isinstance(e, ParatrainError) else
+                                   f"cannot read snapshots under {redact_url(self.store.root)!r}: "
+                                   f"{type(e).__name__}: {e}")}
+        found = self.env.broadcast_object(found)
+        if "error" in found:
+            kind, msg = found["error"]
+            raise {"ConfigError": ConfigError}.get(kind, CheckpointError)(msg)
+        return found["candidates"]
+
     def _candidates(self) -> list[tuple[str, dict]]:
         """Rank 0: the snapshots to try, newest first."""
         mode, attempt = self.cfg.checkpoint.resume, self.env.attempt
@@ -416,7 +398,7 @@ class Snapshotter:
     def _load(self, url: str, marker: dict) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
-        state = self._state_dicts()
+        state = dcp_state(self.model, self.optimizer)
         # The parameter names of each optimizer group as this rank holds them. A snapshot keeps
         # one rank's lists, and a pipeline's ranks hold different parts of the model: the
         # groups' hyper-parameters are what is loaded (groups are built in the same order on
@@ -434,30 +416,4 @@ class Snapshotter:
         if self.scaler is not None and marker.get("scaler"):
             self.scaler.load_state_dict(marker["scaler"])
         if marker["world_size"] == self.env.world_size:  # dropout continues where it was
-            _set_rng_state(marker["ranks"][self.env.rank], self.env.device)
-
-
-def state_options(model: nn.Module) -> Any:
-    """What a snapshot holds of `model`, for saving and loading alike (the run's resume, and
-    `paratrain checkpoint export` of a fine-tuning run): trainable parameters only (and buffers)
-    when some are frozen; then loading is not strict, since the frozen ones are absent by
-    design."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    frozen = any(not p.requires_grad for p in model.parameters())
-    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
-
-
-def _rng_state(device: torch.device) -> dict:
-    out = {"rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    if device.type == "cuda":
-        out["cuda_rng"] = base64.b64encode(
-            torch.cuda.get_rng_state(device).numpy().tobytes()).decode()
-    return out
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    def tensor(b64: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
-    torch.set_rng_state(tensor(state["rng"]))
-    if device.type == "cuda" and state.get("cuda_rng"):
-        torch.cuda.set_rng_state(tensor(state["cuda_rng"]), device)
+            set_rng_state(marker["ranks"][self.env.rank], self.env.device)

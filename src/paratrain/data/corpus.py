@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ..errors import DataError
-from .records import iter_jsonl
+from .rows import iter_jsonl
 
 # Suffixes we read as plain text when `data.source` is a directory (a glob takes what it matches).
 TEXT_SUFFIXES = frozenset({

@@ -88,13 +88,13 @@ def fingerprint(cfg: TrainConfig, task: str, train_records: Any, val_records: An
                 tokenizer_dir: Path) -> str:
     """The cache key of these records encoded by `task` (its class name) under `cfg`.
     `*_records`: a path (file or folder) or a list of rows; None: no validation records."""
-    from .records import records_fingerprint
+    from .rows import rows_fingerprint
     d = cfg.data
     settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in _NOT_ENCODING}
     template = Path(str(d.chat_template)).expanduser()
     parts = {"task": task, "data": settings,
-             "train": records_fingerprint(train_records),
-             "val": None if val_records is None else records_fingerprint(val_records),
+             "train": rows_fingerprint(train_records),
+             "val": None if val_records is None else rows_fingerprint(val_records),
              "tokenizer": tokenizer_files_fingerprint(tokenizer_dir),
              "template_file": _file_hash(template) if d.chat_template not in ("auto", "none")
              and template.is_file() else None,

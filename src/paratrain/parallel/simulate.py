@@ -1,4 +1,4 @@
-"""The plan of a run on devices you do not have: `paratrain plan plan.nodes=128
+"""`paratrain plan`'s simulation of devices you do not have: `paratrain plan plan.nodes=128
 plan.devices_per_node=8 ...` builds the real parallelized model, through the same `parallelize`
 that training calls (TP -> AC -> compile -> FSDP), on the meta device (no memory) as rank 0 of a
 fake process group of the target's world size (no processes, no communication), and reads what
@@ -9,11 +9,10 @@ that rank would hold from its real DTensor shards.
 - Activations: one micro-batch's forward and loss on the meta device with tensor parallelism
   applied (the data-parallel wrapper changes no activation), the bytes autograd saves for
   backward counted by the same meter the training loop uses.
-- Traffic: bytes each device sends per optimizer step, per collective and mesh dimension. The
-  tensor-parallel collectives are the ones the meta forward and backward actually issue (counted
-  as they are dispatched); FSDP's all-gathers and reduce-scatters and the replicas' all-reduces
-  follow from the shard sizes (ring algorithms: an all-gather or reduce-scatter sends (n-1)/n of
-  the full tensor, an all-reduce twice that).
+- Traffic: bytes each device sends per optimizer step, per collective and mesh dimension
+  (traffic.py). The tensor-parallel collectives are the ones the meta forward and backward
+  actually issue (counted as they are dispatched); FSDP's all-gathers and reduce-scatters and the
+  replicas' all-reduces follow from the shard sizes.
 
 Transformer blocks are identical, so every figure is linear in the number of blocks: each layout
 is built with one block and with two, and f(L) = f(1) + (L - 1) * (f(2) - f(1)) is exact. That
@@ -36,22 +35,21 @@ from ..errors import ConfigError
 from ..formatting import human_bytes
 from .fake_world import fake_world
 from .memory import SavedTensorMeter, local_bytes
-from .memory_plan import MARGIN, Choice, Estimate, choose, layout_keys
+from .memory_estimate import MARGIN, Choice, Estimate, choose, layout_keys
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .pipeline_schedules import in_flight
 from .strategies import Parallelism, apply_activation_checkpointing, parallelize, \
     resolve_parallelism
 from .tensor import resolve_tensor_parallel
+from .traffic import COLLECTIVES, data_parallel_traffic, gathered_element_bytes, sent_bytes
 
 META = torch.device("meta")
-COLLECTIVES = {"all_gather_into_tensor": "all-gather", "reduce_scatter_tensor": "reduce-scatter",
-               "all_reduce": "all-reduce"}
 
 
 @dataclass(frozen=True)
 class Target:
-    """The layout a plan is for: nodes x devices per node, and one device's memory."""
+    """The devices a simulation is for: nodes x devices per node, and one device's memory."""
     nodes: int
     devices_per_node: int
     capacity: int  # bytes
@@ -68,7 +66,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Simulated(Estimate):
-    """A plan row read from the simulated model: Estimate's bytes on rank 0, plus the bytes it
+    """A row of the simulation, read from the simulated model: Estimate's bytes on rank 0, plus the bytes it
     sends per optimizer step ({mesh dimension: {collective: bytes}})."""
     sent: dict = field(default_factory=dict)
     asked: bool = False  # the layout the config asks for
@@ -151,11 +149,12 @@ def simulate(work: Workload, target: Target,
                 work, blocks, parallelism if dims.tp > 1 else None, target, ac))
         act = activations[key]
         accum = work.accum(dims.dp)
-        sent = _data_parallel_traffic(work, parallelism, state, target.world, accum)
+        sent = data_parallel_traffic(parallelism, state, target.world, accum, work.precision,
+                                     work.reshard_after_forward)
         for name, count in act["sent"].items():  # tensor parallel: per micro-step
             sent.setdefault("tp", {})[name] = count * accum
         activation_bytes = int(act["saved"])
-        gathered = 2 * int(act["block_numel"]) * _param_bytes(work.precision) \
+        gathered = 2 * int(act["block_numel"]) * gathered_element_bytes(work.precision) \
             if parallelism.sharded else 0  # FSDP: this block's full parameters and the next's
         params, n_tensors = int(state["params"]), int(state["tensors"])
         parts = (params, params, 2 * params + 4 * n_tensors)  # AdamW: 2 moments + a step each
@@ -195,9 +194,10 @@ def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
     micro = work.accum(dims.dp)
     held = in_flight(pipeline.schedule, dims.pp, micro)
     sends = len(stages) - int(last)  # every stage but the last sends its output (its TP slice)
-    sent = _data_parallel_traffic(work, pipeline, state, target.world, micro)
+    sent = data_parallel_traffic(pipeline, state, target.world, micro, work.precision,
+                                 work.reshard_after_forward)
     sent["pp"] = {"send": sends * micro * work.micro_batch * work.seq_length *
-                  part.args.hidden_size * _param_bytes(work.precision) // dims.tp}
+                  part.args.hidden_size * gathered_element_bytes(work.precision) // dims.tp}
     params = local_bytes(named.values())
     parts = (params, params, 2 * params + 4 * len(named))
     activation_bytes = meter.bytes * held
@@ -267,7 +267,7 @@ def _activations(work: Workload, blocks: int, tensor: Optional[Parallelism], tar
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = COLLECTIVES.get(func.__name__.split(".")[0])
             if name is not None:
-                sent[name] += _sent_bytes(name, args[0], group_size)
+                sent[name] += sent_bytes(name, args[0], group_size)
             return func(*args, **(kwargs or {}))
 
     with fake_world(target.world), fused_attention():
@@ -316,51 +316,12 @@ def fused_attention() -> Iterator[None]:
         nn.functional.scaled_dot_product_attention = plain
 
 
-def _sent_bytes(name: str, tensor: torch.Tensor, n: int) -> int:
-    """Bytes one rank sends in a ring collective over n ranks, given the tensor it passes in."""
-    size = tensor.numel() * tensor.element_size()
-    if name == "all-gather":  # its own shard to each of the others
-        return (n - 1) * size
-    if name == "reduce-scatter":  # (n - 1) / n of the full input
-        return (n - 1) * size // n
-    return 2 * (n - 1) * size // n  # all-reduce: a reduce-scatter, then an all-gather
-
-
-def _param_bytes(precision: str) -> int:
-    """Bytes of one element as FSDP gathers it (the compute dtype)."""
-    dtype = mixed_dtype(precision) or (torch.bfloat16 if precision == "bf16-true"
-                                       else torch.float32)
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _data_parallel_traffic(work: Workload, parallelism: Parallelism, state: dict,
-                           world: int, accum: int) -> dict:
-    """{mesh dimension: {collective: bytes}} per optimizer step of the data-parallel part, from
-    rank 0's shard sizes: FSDP gathers every unit in each micro-step's forward, and the blocks
-    again in backward when it frees them after forward (the root it keeps); gradients are
-    reduce-scattered once per step (accumulation skips the sync), in fp32 under mixed
-    precision, then all-reduced across replicas (HSDP's, or DDP's whole gradients)."""
-    dims = parallelism.layout(world)
-    numel, root = int(state["numel"]), int(state["root_numel"])
-    gather, grad = _param_bytes(work.precision), 2 if work.precision == "bf16-true" else 4
-    out: dict = {}
-    if dims.dp_shard > 1:
-        n = dims.dp_shard
-        regathered = numel - root if work.reshard_after_forward else 0
-        out["dp_shard"] = {"all-gather": (n - 1) * (numel + regathered) * gather * accum,
-                           "reduce-scatter": (n - 1) * numel * grad}
-    if dims.dp_replicate > 1:
-        n = dims.dp_replicate
-        out["dp_replicate"] = {"all-reduce": 2 * (n - 1) * numel * grad // n}
-    return out
-
-
 # ---- from a config, and the table ---------------------------------------------------------------
 def target_of(cfg: Any) -> Target:
     """plan.nodes / plan.devices_per_node / plan.device_memory_gb, each defaulting to this
     machine's (distributed.nnodes, trainer.devices, the device's memory)."""
     from ..launch.environment import parse_devices
-    from .memory_plan import device_capacity
+    from .memory_estimate import device_capacity
     devices = parse_devices(cfg.trainer.devices)
     per_node = cfg.plan.devices_per_node or len(devices)
     capacity = int(cfg.plan.device_memory_gb * 1e9) if cfg.plan.device_memory_gb \
@@ -368,7 +329,7 @@ def target_of(cfg: Any) -> Target:
     return Target(cfg.plan.nodes or cfg.distributed.max_nodes, per_node, capacity)
 
 
-def plan_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
+def simulate_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Workload]:
     """(rows, target, auto's pick, workload) for a TrainConfig with one of our models."""
     from ..models import build_model, resolve_model_config
     if cfg.model.arch not in ("llama", "gpt"):

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..dist import DistEnv
 from ..errors import ConfigError
+from .blocks import block_lists, shard_units
 from .dims import ParallelDims, mesh_device_type
 from .precision import mixed_dtype
 
@@ -361,7 +362,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every transformer block in backward (non-reentrant): activations of one block
     at a time instead of all of them."""
     from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac
-    for layers in _block_lists(model):  # a list, or a pipeline stage's dict (pipeline.py)
+    for layers in block_lists(model):  # a list, or a pipeline stage's dict (pipeline.py)
         for i, block in layers.named_children():
             layers.register_module(i, ac.checkpoint_wrapper(
                 block, checkpoint_impl=ac.CheckpointImpl.NO_REENTRANT))
@@ -370,35 +371,6 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 def apply_compile(model: nn.Module) -> None:
     """Compile each block separately: the blocks are identical, so one compiled graph is reused
     and the compile time stays that of one block."""
-    for layers in _block_lists(model):
+    for layers in block_lists(model):
         for i, block in layers.named_children():
             layers.register_module(i, torch.compile(block))
-
-
-def shard_units(model: nn.Module, wrap: Sequence[type]) -> list[nn.Module]:
-    """The modules a sharding wraps one by one: instances of the `wrap` classes if given, else
-    the transformer blocks (ours, or those a Hugging Face model names in `_no_split_modules`:
-    an encoder-decoder's blocks of both stacks)."""
-    if wrap:
-        return [m for m in model.modules() if isinstance(m, tuple(wrap)) and m is not model]
-    return [block for layers in find_block_lists(model) for block in layers.children()]
-
-
-def find_block_lists(model: nn.Module) -> list[nn.Module]:
-    """Every list of repeated blocks: our models' `layers` (a dict in a pipeline stage); in a
-    Hugging Face model, each ModuleList whose modules are all blocks it names in
-    `_no_split_modules` (model.model.layers, transformer.h, encoder.block, decoder.block, ...)."""
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
-        return [layers]
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and
-            all(type(b).__name__ in names for b in m)]
-
-
-def _block_lists(model: nn.Module) -> list[nn.Module]:
-    lists = find_block_lists(model)
-    if not lists:
-        raise ConfigError(f"{type(model).__name__} has no list of blocks (a `layers` ModuleList) "
-                          "for activation checkpointing or compile to wrap block by block")
-    return lists

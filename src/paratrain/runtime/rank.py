@@ -1,6 +1,7 @@
-"""One rank's whole run: join the group, build the model the plan says, resume, loop, evaluate,
-save, leave. Everything this rank needs to know about the run comes in the plan; under torchrun /
-Slurm, where no calling process planned it, the rank plans it here first (`plan_on_ranks`)."""
+"""One rank's whole run: join the group, then three phases (`RankRun`): start (build the model
+the plan says, resume), train (the loop), finish (evaluate, write the outputs); leave.
+Everything this rank needs to know about the run comes in the plan; under torchrun / Slurm, where
+no calling process planned it, the rank plans it here first (`plan_on_ranks`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from torch import nn
 
 from ..checkpoint.rundir import check_run_dir, prepare_run_dir
-from ..checkpoint.snapshotter import Resumed, Snapshotter
+from ..checkpoint.snapshot_state import Resumed
+from ..checkpoint.snapshotter import Snapshotter
 from ..config.tree import TrainConfig
 from ..dist import DistEnv
 from ..fileio import atomic_write_json, replace_dir
@@ -46,127 +48,27 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
     `given`: what the Python API was handed (see `prepare_task`). A stop signal ends the run
     early with a committed snapshot and `stopped_by` set to the signal number. `timeline`: the
     launcher's start-up so far (None: this process is where the command started)."""
-    from ..launch.environment import cpu_count
-    t_start = time.perf_counter()
-    timeline = timeline or Timeline.of_this_process()
-    timeline.mark("imports")
-    if env.device.type == "cpu":  # ranks sharing the cores: one slice each, not all each
-        threads = plan.cpu_threads if plan is not None else cpu_count() // env.local_world_size
-        torch.set_num_threads(max(1, threads))
+    run = RankRun(cfg, env, timeline or Timeline.of_this_process())
+    run.timeline.mark("imports")
+    _share_cores(env, plan)
     if plan is None and env.is_master:  # before init: nobody has written anything yet
         note = check_run_dir(cfg, env.attempt)
         if note:
             log(env, note)
     env.init()
-    timeline.mark("init")
+    run.timeline.mark("init")
     # Names a stalled rank instead of a bare collective timeout; stacks go to the run dir.
     stall_watchdog = watchdog.Watchdog.start(env, cfg.run_dir, cfg.distributed.timeout_s)
-    model = optimizer = snapshots = records = None
     failed = False
     stop = StopSignals().install()  # noted from now on; the loop acts on it between steps
     try:
-        # the calling process, when there is one, already logged what preparing the data found
-        task = prepare_task(cfg, env, given, quiet=plan is not None)
-        if plan is None:
-            plan = plan_on_ranks(cfg, env, task)
-        timeline.mark("data")
-        model, optimizer, scheduler, scaler, n_params, frozen, pipeline = _build(plan, env, task)
-        snapshots = Snapshotter(plan, env, model, optimizer, scheduler, scaler,
-                                model_info=task.model_info, tokenizer_path=task.tokenizer_path)
-        resumed = snapshots.resume()
-        # (step, world size) from the first step on; a snapshot carries it to the next start
-        history = list(resumed.loop.get("world_history", [[0, resumed.world_size]])) \
-            if resumed is not None else []
-        if not history or history[-1][1] != env.world_size:
-            history.append([resumed.step if resumed else 0, env.world_size])
-            if resumed is not None and cfg.distributed.elastic:  # a membership change
-                change = "a node left" if env.world_size < resumed.world_size else "a node joined"
-                log(env, f"world size {resumed.world_size} -> {env.world_size} at step "
-                         f"{resumed.step} ({change}); resharded")
-        snapshots.info["world_history"] = history
-        if env.is_master:
-            prepare_run_dir(cfg, None if resumed is None else resumed.step)
-        timeline.mark("model")
-        _log_start(plan, env, task, n_params, resumed)
-        if cfg.trainer.verbose:
-            log(env, "memory at start:\n" + format_memory_table(
-                gather_memory(env, model, optimizer, frozen=list(frozen.values()))))
-
-        best_dir = cfg.run_dir / BEST_DIR
-
-        def save_best(step: int) -> None:  # collective: every rank gathers, rank 0 writes
-            state = plan.parallelism.full_state_dict(model, env)
-            if env.is_master:
-                task.save(plan.parallelism.unwrap(model), best_dir / MODEL_DIR, state)
-
-        loop = TrainLoop(plan, env, model, optimizer, scheduler, scaler, task, frozen=frozen,
-                         snapshots=snapshots, resumed=resumed,
-                         on_best=save_best if cfg.trainer.keep_best else None, stop=stop,
-                         pipeline=pipeline)
-        stall_watchdog.watch(loop.progress, plan.parallelism.roles(env.world_size))
-        records = loggers.RunRecords.open(cfg, env, start_step=loop.step)  # TensorBoard, ...
-        timeline.mark("records")
-        last = loop.run(records)
-        if loop.first_step_at:
-            timeline.mark("first_step", loop.first_step_at)
-            timeline.mark("last_step", loop.last_step_at)
-        if loop.stopped_by:  # a stop signal: the snapshot is committed; no evaluation, no model
+        run.start(plan, given, stop)
+        stall_watchdog.watch(run.loop.progress, run.plan.parallelism.roles(env.world_size))
+        last = run.train()
+        if run.loop.stopped_by:  # a stop signal: the snapshot is committed; no evaluation
             return {"summary": {}, "run_dir": str(cfg.run_dir), "is_master": env.is_master,
-                    "stopped_by": loop.stopped_by, "step": loop.step}
-        snapshots.wait()  # the last snapshot in flight is committed before anything else
-        val_loss = loop.evaluate()
-        val_metrics = loop.val_metrics  # e.g. accuracy, for a classifier
-        final_is_best = loop.best.update(loop.step, val_loss)
-        # keep_best: the output is the best evaluation's weights, saved when it happened
-        keep_best = cfg.trainer.keep_best and not final_is_best and loop.best.best_step is not None
-        if keep_best:
-            log(env, f"keeping the weights of step {loop.best.best_step} (validation loss "
-                     f"{loop.best.best_loss:.4f}; the last step's is {val_loss:.4f})")
-            val_loss, val_metrics = loop.best.best_loss, loop.best_metrics
-        if val_loss is not None:
-            log(env, f"validation loss {val_loss:.4f}" + (
-                f" (perplexity {math.exp(val_loss):.2f})" if task.perplexity else "") + (
-                f"; accuracy {val_metrics['val_accuracy']:.4f} on {val_metrics['val_samples']} "
-                f"{task.sample_name}" if val_metrics.get("val_accuracy") is not None else ""))
-        memory = gather_memory(env, model, optimizer, loop.grads_bytes, loop.activation_bytes,
-                               list(frozen.values()))
-        if cfg.trainer.verbose:
-            log(env, "memory at end:\n" + format_memory_table(memory))
-
-        state = None if keep_best else plan.parallelism.full_state_dict(model, env)
-        summary = run_summary(plan, env, task, loop, last, val_loss, n_params, resumed,
-                              snapshots.report(), memory, time.perf_counter() - t_start,
-                              history)
-        summary.update(val_metrics)
-        summary.update(startup_s=timeline.phases(upto="first_step"),
-                       timeline={"start": timeline.start, **timeline.marks})
-        unwritten = None  # why rank 0 could not write the outputs (disk full, ...)
-        if env.is_master:
-            try:
-                if keep_best:
-                    for name in [p.name for p in best_dir.iterdir()]:  # model/ (and adapter/)
-                        replace_dir(best_dir / name, cfg.run_dir / name)
-                else:
-                    task.save(plan.parallelism.unwrap(model), cfg.run_dir / MODEL_DIR, state)
-                shutil.rmtree(best_dir, ignore_errors=True)
-                atomic_write_json(cfg.run_dir / "summary.json", summary)  # finished: last
-            except Exception as e:  # OSError, or a writer's own (safetensors: SafetensorError)
-                unwritten = f"{type(e).__name__}: {first_line(e)}"
-            else:
-                records.finish(summary)  # memory per rank to the sinks; report.png
-                loss = summary["final_loss"]  # None: no step logged (resumed at the end)
-                log(env, f"done in {time.time() - timeline.start:.1f} s from the command's start "
-                         f"({summary['wall_s']:.1f} s training): " + (
-                    f"final loss {loss:.4f}; " if loss is not None else "") +
-                    f"outputs in {cfg.run_dir}")
-        # nobody leaves before rank 0 has written the model; if it could not, a snapshot of the
-        # last step (every rank) lets the same command write it without training again
-        unwritten = env.broadcast_object(unwritten)
-        if unwritten:
-            raise snapshots.outputs_failed(loop.step, loop.rank_state(),
-                                           f"{cfg.run_dir / MODEL_DIR} ({unwritten})")
-        return {"summary": summary, "run_dir": str(cfg.run_dir), "is_master": env.is_master,
-                "stopped_by": 0}
+                    "stopped_by": run.loop.stopped_by, "step": run.loop.state.step}
+        return run.finish(last)
     except Exception as e:
         failed = True
         stalled = stall_watchdog.explain(e)  # a collective timed out: who stalled, and where
@@ -179,10 +81,184 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
     finally:
         stop.restore()
         stall_watchdog.stop()
-        if records is not None:
-            records.close()
-        del model, optimizer, snapshots, records  # a live DDP module at teardown can abort
+        run.close()
         env.teardown(barrier=not failed)
+
+
+def _share_cores(env: DistEnv, plan: Optional[RunPlan]) -> None:
+    """Ranks sharing a machine's cores: one slice each, not all each."""
+    from ..launch.environment import cpu_count
+    if env.device.type == "cpu":
+        threads = plan.cpu_threads if plan is not None else cpu_count() // env.local_world_size
+        torch.set_num_threads(max(1, threads))
+
+
+class RankRun:
+    """One rank's run in the three phases `run_rank` calls in turn: `start` (build, resume),
+    `train` (the loop), `finish` (evaluate, write the outputs). What `start` builds is held
+    here, so the later phases share it and `close` drops every reference to the model before
+    the process group goes (a live DDP module at teardown can abort)."""
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv, timeline: Timeline):
+        self.cfg, self.env, self.timeline = cfg, env, timeline
+        self.t_start = time.perf_counter()
+        # set by `start`: the task and plan, what _build made, the snapshot resumed from and
+        # the world history; the loop. `train` opens the sinks (`records`).
+        self.task: Task
+        self.plan: RunPlan
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.n_params = 0
+        self.frozen: dict[str, nn.Module] = {}
+        self.snapshots: Optional[Snapshotter] = None
+        self.resumed: Optional[Resumed] = None
+        self.world_history: list = []
+        self.loop: Optional[TrainLoop] = None
+        self.records: Optional[loggers.RunRecords] = None
+
+    def start(self, plan: Optional[RunPlan], given: Union[Task, TaskRecords, None],
+              stop: StopSignals) -> None:
+        """Everything before the first step, in the order each part needs the one before: the
+        task, the plan (torchrun / Slurm), the model and optimizer, the snapshot to resume
+        from (which decides the run dir's fate and the world history), the start lines, and
+        the loop, positioned at the resumed step."""
+        cfg, env = self.cfg, self.env
+        # the calling process, when there is one, already logged what preparing the data found
+        task = prepare_task(cfg, env, given, quiet=plan is not None)
+        if plan is None:
+            plan = plan_on_ranks(cfg, env, task)
+        self.task, self.plan = task, plan
+        self.timeline.mark("data")
+        self.model, self.optimizer, scheduler, scaler, self.n_params, self.frozen, pipeline = \
+            _build(plan, env, task)
+        self.snapshots = Snapshotter(plan, env, self.model, self.optimizer, scheduler, scaler,
+                                     model_info=task.model_info,
+                                     tokenizer_path=task.tokenizer_path)
+        self.resumed = resumed = self.snapshots.resume()
+        self.world_history = _world_history(cfg, env, resumed)
+        self.snapshots.info["world_history"] = self.world_history
+        if env.is_master:
+            prepare_run_dir(cfg, None if resumed is None else resumed.step)
+        self.timeline.mark("model")
+        _log_start(plan, env, task, self.n_params, resumed)
+        if cfg.trainer.verbose:
+            log(env, "memory at start:\n" + format_memory_table(gather_memory(
+                env, self.model, self.optimizer, frozen=list(self.frozen.values()))))
+        self.loop = TrainLoop(plan, env, self.model, self.optimizer, scheduler, scaler, task,
+                              frozen=self.frozen, snapshots=self.snapshots, resumed=resumed,
+                              on_best=self._save_best if cfg.trainer.keep_best else None,
+                              stop=stop, pipeline=pipeline)
+
+    def _save_best(self, step: int) -> None:
+        """keep_best: a new best evaluation's weights, until the run ends (collective: every
+        rank gathers, rank 0 writes)."""
+        state = self.plan.parallelism.full_state_dict(self.model, self.env)
+        if self.env.is_master:
+            self.task.save(self.plan.parallelism.unwrap(self.model),
+                           self.cfg.run_dir / BEST_DIR / MODEL_DIR, state)
+
+    def train(self) -> dict:
+        """The steps, with the run's sinks (TensorBoard, ...) open; the last log line. Its own
+        phase because a stop signal ends the run here, with a snapshot and nothing more."""
+        loop = self.loop
+        self.records = loggers.RunRecords.open(self.cfg, self.env, start_step=loop.state.step)
+        self.timeline.mark("records")
+        last = loop.run(self.records)
+        if loop.figures.first_step_at:
+            self.timeline.mark("first_step", loop.figures.first_step_at)
+            self.timeline.mark("last_step", loop.figures.last_step_at)
+        return last
+
+    def finish(self, last: dict) -> dict:
+        """After the last step: the final evaluation, the weights to keep, summary.json and the
+        outputs written by rank 0. Nobody leaves before rank 0 has written them; if it could
+        not, a snapshot of the last step (every rank) lets the same command write them without
+        training again."""
+        cfg, env, plan, loop = self.cfg, self.env, self.plan, self.loop
+        self.snapshots.wait()  # the last snapshot in flight is committed before anything else
+        val_loss, val_metrics, keep_best = self._final_evaluation()
+        memory = gather_memory(env, self.model, self.optimizer, loop.figures.grads_bytes,
+                               loop.figures.activation_bytes, list(self.frozen.values()))
+        if cfg.trainer.verbose:
+            log(env, "memory at end:\n" + format_memory_table(memory))
+        state = None if keep_best else plan.parallelism.full_state_dict(self.model, env)
+        summary = run_summary(self, last, val_loss, memory, time.perf_counter() - self.t_start)
+        summary.update(val_metrics)
+        summary.update(startup_s=self.timeline.phases(upto="first_step"),
+                       timeline={"start": self.timeline.start, **self.timeline.marks})
+        # why rank 0 could not write the outputs (disk full, ...)
+        unwritten = self._write_outputs(summary, state, keep_best) if env.is_master else None
+        unwritten = env.broadcast_object(unwritten)
+        if unwritten:
+            raise self.snapshots.outputs_failed(loop.state.step, loop.state.to_snapshot(),
+                                                f"{cfg.run_dir / MODEL_DIR} ({unwritten})")
+        return {"summary": summary, "run_dir": str(cfg.run_dir), "is_master": env.is_master,
+                "stopped_by": 0}
+
+    def _final_evaluation(self) -> tuple[Optional[float], dict, bool]:
+        """(validation loss, the task's figures, whether the outputs are keep_best's earlier
+        weights rather than the last step's)."""
+        loop, env = self.loop, self.env
+        val_loss = loop.evaluate()
+        val_metrics = loop.val_metrics  # e.g. accuracy, for a classifier
+        best = loop.state.best
+        final_is_best = best.update(loop.state.step, val_loss)
+        keep_best = self.cfg.trainer.keep_best and not final_is_best and best.best_step is not None
+        if keep_best:
+            log(env, f"keeping the weights of step {best.best_step} (validation loss "
+                     f"{best.best_loss:.4f}; the last step's is {val_loss:.4f})")
+            val_loss, val_metrics = best.best_loss, loop.best_metrics
+        if val_loss is not None:
+            log(env, f"validation loss {val_loss:.4f}" + (
+                f" (perplexity {math.exp(val_loss):.2f})" if self.task.perplexity else "") + (
+                f"; accuracy {val_metrics['val_accuracy']:.4f} on {val_metrics['val_samples']} "
+                f"{self.task.sample_name}" if val_metrics.get("val_accuracy") is not None else ""))
+        return val_loss, val_metrics, keep_best
+
+    def _write_outputs(self, summary: dict, state: Optional[dict], keep_best: bool
+                       ) -> Optional[str]:
+        """Rank 0: model/ (keep_best: the best evaluation's, saved when it happened), then
+        summary.json last (the run is finished); None, or why they could not be written."""
+        cfg, best_dir = self.cfg, self.cfg.run_dir / BEST_DIR
+        try:
+            if keep_best:
+                for name in [p.name for p in best_dir.iterdir()]:  # model/ (and adapter/)
+                    replace_dir(best_dir / name, cfg.run_dir / name)
+            else:
+                self.task.save(self.plan.parallelism.unwrap(self.model), cfg.run_dir / MODEL_DIR,
+                               state)
+            shutil.rmtree(best_dir, ignore_errors=True)
+            atomic_write_json(cfg.run_dir / "summary.json", summary)  # finished: last
+        except Exception as e:  # OSError, or a writer's own (safetensors: SafetensorError)
+            return f"{type(e).__name__}: {first_line(e)}"
+        self.records.finish(summary)  # memory per rank to the sinks; report.png
+        loss = summary["final_loss"]  # None: no step logged (resumed at the end)
+        log(self.env, f"done in {time.time() - self.timeline.start:.1f} s from the command's "
+                      f"start ({summary['wall_s']:.1f} s training): " + (
+            f"final loss {loss:.4f}; " if loss is not None else "") +
+            f"outputs in {cfg.run_dir}")
+        return None
+
+    def close(self) -> None:
+        """The sinks closed, and every reference to the model dropped."""
+        if self.records is not None:
+            self.records.close()
+        self.model = self.optimizer = self.snapshots = self.loop = self.records = None
+        self.frozen = {}
+
+
+def _world_history(cfg: TrainConfig, env: DistEnv, resumed: Optional[Resumed]) -> list:
+    """[[step, world size], ...] from the first step on: the snapshot's, and this start's when
+    the world size changed (an elastic run logs the membership change)."""
+    history = list(resumed.loop.get("world_history", [[0, resumed.world_size]])) \
+        if resumed is not None else []
+    if not history or history[-1][1] != env.world_size:
+        history.append([resumed.step if resumed else 0, env.world_size])
+        if resumed is not None and cfg.distributed.elastic:  # a membership change
+            change = "a node left" if env.world_size < resumed.world_size else "a node joined"
+            log(env, f"world size {resumed.world_size} -> {env.world_size} at step "
+                     f"{resumed.step} ({change}); resharded")
+    return history
 
 
 def prepare_task(cfg: TrainConfig, env: DistEnv,
@@ -264,23 +340,23 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
         log(env, f"resumed from step {resumed.step} ({redact_url(resumed.url)}){resharded}")
 
 
-def run_summary(plan: RunPlan, env: DistEnv, task: Task, loop: TrainLoop, last: dict,
-                val_loss: Optional[float], n_params: int, resumed: Optional[Resumed],
-                snapshots: dict, memory: list, wall_s: float, world_history: list) -> dict:
+def run_summary(run: RankRun, last: dict, val_loss: Optional[float], memory: list,
+                wall_s: float) -> dict:
     """summary.json: what the run did, how fast, with what, and the memory of every rank."""
-    cfg = plan.cfg
+    plan, env, task, resumed = run.plan, run.env, run.task, run.resumed
+    cfg, step, figures, best = plan.cfg, run.loop.state.step, run.loop.figures, run.loop.state.best
     return {
-        "steps": loop.step, "epochs": loop.step / plan.steps_per_epoch,
+        "steps": step, "epochs": step / plan.steps_per_epoch,
         "final_loss": last.get("loss"), "val_loss": val_loss,
         "val_perplexity": math.exp(min(val_loss, 700))  # of a per-token cross-entropy only
         if val_loss is not None and task.unit_name == "tokens" else None,
-        "wall_s": wall_s, "train_s": loop.train_s,
+        "wall_s": wall_s, "train_s": figures.train_s,
         # loss units: tokens for language models (the documented name), texts for a classifier
-        "tokens_per_s": loop.units / max(loop.train_s, 1e-9), "tokens": loop.units,
+        "tokens_per_s": figures.units / max(figures.train_s, 1e-9), "tokens": figures.units,
         "loss_unit": task.unit_name,
-        "data_wait_s": loop.data_wait_s, "step_times_s": loop.step_times,
-        "step_cpu_s": loop.step_cpu_times,
-        "world_size": env.world_size, "nnodes": env.nnodes, "world_history": world_history,
+        "data_wait_s": figures.data_wait_s, "step_times_s": figures.step_times,
+        "step_cpu_s": figures.step_cpu_times,
+        "world_size": env.world_size, "nnodes": env.nnodes, "world_history": run.world_history,
         "strategy": plan.parallelism.name,
         "strategy_reason": plan.parallelism_reason,
         "tensor_parallel": plan.dims.tp, "pipeline_parallel": plan.dims.pp,
@@ -289,12 +365,12 @@ def run_summary(plan: RunPlan, env: DistEnv, task: Task, loop: TrainLoop, last: 
         "cpu_offload": plan.parallelism.offloads_to_host,
         "precision": plan.precision, "batch_size": cfg.trainer.batch_size,
         "grad_accum": plan.accum, "global_batch_size": plan.global_batch,
-        "seq_length": cfg.data.seq_length, "params": n_params,
+        "seq_length": cfg.data.seq_length, "params": run.n_params,
         "resumed_from": None if resumed is None else {
             "step": resumed.step, "path": redact_url(resumed.url),
             "world_size": resumed.world_size},
-        "snapshots": snapshots,
+        "snapshots": run.snapshots.report(),
         "data_fingerprint": task.data_fingerprint, "memory": memory,
-        "best_val_loss": loop.best.best_loss, "best_step": loop.best.best_step,
-        "stopped_early": loop.stopped_early,
+        "best_val_loss": best.best_loss, "best_step": best.best_step,
+        "stopped_early": run.loop.stopped_early,
     }

@@ -126,7 +126,7 @@ class PretrainedTask(NoFrozenModels):
         records; the cached path splits at load time instead, with the same rows)."""
         from ..data.examples import split_validation
         from ..data.hf_tokenizer import load_tokenizer
-        from ..data.records import read_rows
+        from ..data.rows import read_rows
         quiet_transformers()
         tokenizer, note = load_tokenizer(tokenizer_dir)
         cls.check_fits(cfg, tokenizer)  # before the data is read: a typo costs a second

@@ -5,7 +5,7 @@ input goes to the encoder, and the loss is the decoder's cross-entropy on the ta
 The loss unit is a target token, as for a causal LM's answers, so 1 and N workers give the same
 run; pads of the input are masked out of attention (changing them changes nothing) and pads of
 the target are IGNORE_INDEX. FSDP shards every block of both stacks (the model names them in
-`_no_split_modules`; parallel/strategies.find_block_lists finds encoder.block and decoder.block).
+`_no_split_modules`; parallel/blocks.find_block_lists finds encoder.block and decoder.block).
 LoRA adapters go on T5's attention projections by their own names: model.lora.target_modules=
 [q,v]. model/ is a `from_pretrained` folder with the tokenizer, and `paratrain generate` prints
 the model's output for a prompt.

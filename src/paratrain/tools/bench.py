@@ -34,7 +34,7 @@ from ..dist import DistEnv
 from ..errors import ConfigError, TrainingError
 from ..fileio import atomic_write_json
 from ..launch import environment
-from ..parallel.memory_plan import candidate_label
+from ..parallel.memory_estimate import candidate_label
 from ..parallel.strategies import processes_per_node, resolve_parallelism
 from ..parallel.tensor import resolve_tensor_parallel
 from .bench_rows import format_table, gpu_peak_flops, plot, summarize

@@ -1,4 +1,5 @@
-"""Records for fine-tuning: every supported source becomes one list of plain dicts.
+"""Fine-tuning's input rows (not the run records of records/): every supported source becomes
+one list of plain dicts.
 
 Fine-tuning sets are small next to pretraining corpora (thousands to a few million rows), so
 they are read whole; a list of dicts is what the encoders need and what a user can inspect.
@@ -57,9 +58,9 @@ def rows_from_lists(inputs: Sequence[str], outputs: Sequence[str], input_field: 
     return [{input_field: x, output_field: y} for x, y in zip(inputs, outputs)]
 
 
-def records_fingerprint(source: Any) -> str:
-    """sha256 of what the records are: a file's bytes, a folder's files (names and bytes), or the
-    rows of a list (as sorted-key JSON). Not where they lie: a copied file is the same records.
+def rows_fingerprint(source: Any) -> str:
+    """sha256 of what the rows are: a file's bytes, a folder's files (names and bytes), or the
+    rows of a list (as sorted-key JSON). Not where they lie: a copied file is the same rows.
     A path that does not exist hashes as its name (reading it then says what is wrong)."""
     h = hashlib.sha256()
     if isinstance(source, (str, os.PathLike)):

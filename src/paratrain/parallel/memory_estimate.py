@@ -4,7 +4,7 @@ State (parameters, gradients, AdamW moments) is counted exactly from the paramet
 model built on the meta device, sharded the way FSDP2 shards (dim 0, split evenly, the first ranks
 taking the remainder). Activations are measured, not guessed: one forward of a single sample on the
 CPU counts the bytes autograd saves for backward (the same meter the training loop uses), times
-the micro-batch. That keeps the plan right for any architecture, ours or a user's.
+the micro-batch. That keeps the estimate right for any architecture, ours or a user's.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from .strategies import DDP, FSDP, HSDP, Parallelism
 
 PARAM_BYTES = {"fp32": 4, "bf16-mixed": 4, "fp16-mixed": 4, "bf16-true": 2}
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.bfloat16, "bf16-true": None}
-MARGIN = 0.8  # plan to use at most this fraction of a device
+MARGIN = 0.8  # count on at most this fraction of a device
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """One row of the plan: a parallelism (and whether blocks are recomputed) and its bytes on
+    """One row of the estimate: a parallelism (and whether blocks are recomputed) and its bytes on
     rank 0, the fullest."""
     parallelism: Parallelism
     activation_checkpointing: bool
@@ -55,7 +55,7 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Choice:
-    """What `auto` picked from the plan, and why (logged and in summary.json)."""
+    """What `auto` picked from the estimate, and why (logged and in summary.json)."""
     parallelism: Parallelism
     activation_checkpointing: bool
     why: str
@@ -256,7 +256,7 @@ def layout_keys(pick: Choice) -> str:
     return " ".join(keys)
 
 
-def format_plan(rows: List[Estimate], capacity: int, pick: Choice) -> str:
+def format_estimates(rows: List[Estimate], capacity: int, pick: Choice) -> str:
     frozen = any(r.frozen_bytes for r in rows)  # a task's untrained models (DPO's reference)
     head = (f"{'strategy':<14}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}"
             + (f"{'frozen':>10}" if frozen else "") + f"{'per device':>12}  fits")
@@ -274,9 +274,10 @@ def format_plan(rows: List[Estimate], capacity: int, pick: Choice) -> str:
     return "\n".join(lines)
 
 
-def plan_for_config(cfg, world: Optional[int] = None, device: Optional[torch.device] = None,
-                    local_workers: Optional[int] = None, probe: Any = None
-                    ) -> tuple[List[Estimate], int, Choice]:
+def estimates_for_config(cfg, world: Optional[int] = None,
+                         device: Optional[torch.device] = None,
+                         local_workers: Optional[int] = None, probe: Any = None
+                         ) -> tuple[List[Estimate], int, Choice]:
     """(rows, capacity, pick) for a TrainConfig's own model, or for the model a task describes
     (`probe`: its tasks.base.MemoryProbe, frozen models included): what `paratrain plan`
     prints."""

@@ -1,0 +1,96 @@
+"""Validation of one rank, exact whatever the world size: every validation sample is visited once,
+and every rank runs the same number of batches (a rank out of samples runs one that counts
+nothing), so wrappers that communicate in forward (FSDP) never wait on a rank that has stopped.
+The loss is token-weighted over every rank, like training's (loop.py)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..data.sampler import EvalSampler
+from ..dist import DistEnv
+from ..launch import watchdog
+from ..parallel.pipeline import Pipeline
+from ..records.console import ProgressBar
+from ..runplan import RunPlan
+from ..tasks.base import Frozen, Task
+
+
+class Validation:
+    """The validation of one run on this rank: what it reads and how it splits, from the plan."""
+
+    def __init__(self, plan: RunPlan, env: DistEnv, model: nn.Module, task: Task,
+                 frozen: Frozen, pipeline: Optional[Pipeline], progress: watchdog.Progress):
+        self.plan, self.env, self.model, self.task, self.frozen = plan, env, model, task, frozen
+        self.pipeline, self.progress = pipeline, progress
+        # a tensor-parallel group reads the same samples; only its first rank's sums count
+        self.dp, self.data_rank = plan.dims.dp, plan.dims.data_rank(env.rank)
+        self.counts_sums = plan.dims.counts(env.rank)
+
+    def _batch(self, mb: Any) -> tuple[Any, int, dict]:
+        """(loss sum, loss units, counts) for one validation micro-batch. A task may count more
+        than the loss (`eval_counts`, e.g. right predictions): `run` sums those too."""
+        dev = self.env.device
+        amp = self.plan.parallelism.autocast(self.plan.precision, dev)
+        counts = getattr(self.task, "eval_counts", None)
+        if counts is None:
+            return (*self.task.loss(self.model, mb, dev, amp, self.frozen), {})
+        return counts(self.model, mb, dev, amp, self.frozen)
+
+    @torch.no_grad()
+    def run(self, step: int) -> tuple[Optional[float], Optional[dict]]:
+        """(token-weighted validation loss over every sample once, the task's figures from its
+        extra counts: `eval_counts` summed the same way, turned into figures by `eval_metrics`;
+        None when it has none)."""
+        env, tr, collate = self.env, self.plan.cfg.trainer, self.task.collate
+        self.progress.at(step, "eval")
+        val_ds = self.task.val_ds
+        n = len(val_ds) if val_ds is not None else 0
+        if tr.eval_samples is not None:
+            n = min(n, tr.eval_samples)
+        if n == 0:
+            return None, None
+        mine = list(EvalSampler(n, self.dp, self.data_rank))
+        b = self.plan.micro_batch
+        n_batches = math.ceil(math.ceil(n / self.dp) / b)  # the same on every rank
+        was_training = self.model.training
+        self.model.eval()
+        if self.pipeline is not None:  # forward only through the stages; the last one sums
+            total, count = self.pipeline.evaluate(
+                [collate([val_ds[j] for j in mine[i * b:(i + 1) * b]])
+                 if mine[i * b:(i + 1) * b] else None for i in range(n_batches)],
+                b, self.plan.cfg.data.seq_length)
+            self.model.train(was_training)
+            return env.weighted_mean(total, count), None
+        total = count = 0.0
+        extra: dict = {}  # the task's counts, summed
+        # a bar on rank 0 when validation lasts more than 2 s (the final one: ~20 s by default)
+        bar = ProgressBar(env, n_batches, enabled=tr.progress_bar, desc="validation",
+                          unit="batch", leave=False, delay_s=2.0)
+        for i in range(n_batches):
+            idx = mine[i * b:(i + 1) * b]
+            if idx:
+                s, c, counts = self._batch(collate([val_ds[j] for j in idx]))
+                for key, value in counts.items():
+                    extra[key] = extra.get(key, 0.0) + (float(value) if self.counts_sums else 0.0)
+            else:  # out of samples: keep step with the other ranks, count nothing
+                _, _, counts = self._batch(collate([val_ds[0]]))
+                for key in counts:  # the same keys on every rank, for the sum below
+                    extra.setdefault(key, 0.0)
+                s, c = 0.0, 0
+            if self.counts_sums:  # a tensor-parallel peer computed the same sums: counted once
+                total += float(s)
+                count += c
+            bar.update(1)
+        bar.close()
+        self.model.train(was_training)
+        metrics = None
+        if hasattr(self.task, "eval_metrics"):  # every rank ran >= 1 batch: the same keys
+            keys = sorted(extra)
+            summed = env.all_reduce_sum([extra[k] for k in keys] or [0.0]).tolist()
+            metrics = self.task.eval_metrics(dict(zip(keys, summed)))
+        return env.weighted_mean(total, count), metrics
