@@ -8,6 +8,7 @@ The run plan (runplan.py) is made here and handed to the workers; one rank's run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -9,10 +9,11 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
-from .errors import ParatrainError
+from . import checkpoint
+from ..errors import ParatrainError
 
 if TYPE_CHECKING:
-    from .config.tree import TrainConfig
+    from ..config.tree import TrainConfig
 
 USAGE_EXIT = 2
 
@@ -30,19 +31,19 @@ def _split_config_args(args: Sequence[str]) -> Tuple[Optional[str], List[str]]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from .config.tree import TrainConfig
+    from ..config.tree import TrainConfig
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)  # a bad key fails here, before torch loads
-    from .launch import forkserver
+    from ..launch import forkserver
     forkserver.start_for(cfg)  # the workers' imports begin now, beside ours
-    from .trainer import Trainer
+    from ..trainer import Trainer
     try:
         result = Trainer(cfg).fit()
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal (errors.Interrupted)
         import signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends us at once
-        from .checkpoint.rundir import stopped_message
-        from .launch.preemption import signal_name
+        from ..checkpoint.rundir import stopped_message
+        from ..launch.preemption import signal_name
         signum = getattr(e, "signum", signal.SIGINT)
         how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal_name(signum)}"
         if (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0") == "0":
@@ -64,10 +65,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     """What the run's task does with a prompt (registry: continue it, answer it, label it)."""
     import torch
 
-    from .config import registry
-    from .launch.environment import cpu_count
-    from .models.files import model_dir_of
-    from .models.generate import GenerateOptions
+    from ..config import registry
+    from ..launch.environment import cpu_count
+    from ..models.files import model_dir_of
+    from ..models.generate import GenerateOptions
     torch.set_num_threads(cpu_count())  # one per core this process may use, as training sets
     data, trainer = _run_sections(ns.run_dir)
     opts = GenerateOptions(
@@ -99,7 +100,7 @@ def _run_sections(run_dir: str) -> Tuple[dict, dict]:
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
-    from .tools.bench import run_bench
+    from ..tools.bench import run_bench
     path, overrides = _split_config_args(ns.args)
     report = run_bench(path, overrides, scaling=ns.scaling,
                        rows=ns.rows.split(",") if ns.rows else None, steps=ns.steps,
@@ -114,12 +115,12 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 def cmd_plan(ns: argparse.Namespace) -> int:
     import json
 
-    from .config.tree import TrainConfig
-    from .parallel.memory_estimate import estimates_for_config, format_estimates
+    from ..config.tree import TrainConfig
+    from ..parallel.memory_estimate import estimates_for_config, format_estimates
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)
     if at_scale(cfg):  # a target layout, or tensor parallelism: simulate the parallelized model
-        from .parallel.simulate import format_simulation, simulate_at_scale
+        from ..parallel.simulate import format_simulation, simulate_at_scale
         rows, target, pick, work = simulate_at_scale(cfg)
         capacity = target.capacity
         text = format_simulation(rows, target, pick, work, cfg.model.preset or cfg.model.arch)
@@ -139,9 +140,9 @@ def _task_probe(cfg: "TrainConfig") -> Any:
     config's own model (model.arch llama/gpt)."""
     if not cfg.task.pretrained:
         return None
-    from .dist import DistEnv
-    from .errors import ConfigError
-    from .runtime.rank import prepare_task
+    from ..dist import DistEnv
+    from ..errors import ConfigError
+    from ..runtime.rank import prepare_task
     probe = prepare_task(cfg, DistEnv(), quiet=True).memory_probe()
     if probe is None:
         raise ConfigError(f"paratrain plan cannot measure data.format={cfg.data.format}'s model "
@@ -157,92 +158,23 @@ def at_scale(cfg) -> bool:
 
 
 def cmd_config_show(ns: argparse.Namespace) -> int:
-    from .config.docs import annotated_yaml
-    from .config.tree import TrainConfig
-    from .redact import redact_secrets
+    from ..config.docs import annotated_yaml
+    from ..config.tree import TrainConfig
+    from ..redact import redact_secrets
     path, overrides = _split_config_args(ns.args)
     values = redact_secrets(TrainConfig.from_yaml(path, overrides).to_dict())
     print(annotated_yaml(TrainConfig, values, everything=ns.all), end="")
     return 0
 
 
-def cmd_checkpoint_inspect(ns: argparse.Namespace) -> int:
-    import json
-
-    from .checkpoint import inspection, store
-    _, step = store.split(ns.path)
-    if step is None:  # a checkpoints folder or a run dir: one line per snapshot
-        rows = inspection.listing(ns.path)
-        if ns.json:
-            print(json.dumps(rows, indent=2))
-        for r in [] if ns.json else rows:
-            state = "committed" if r["committed"] else "NOT committed"
-            print(f"{r['path']}  step {r['step']}  {state}  {r['bytes']:,} bytes"
-                  + (f"  unusable: {r['problem']}" if r["committed"] and r["problem"] else "")
-                  + ("" if r["checksums"] or not r["committed"] else
-                     "  no checksums (cannot be verified)"))
-        return 0
-    d = inspection.describe(ns.path)
-    print(json.dumps(d, indent=2) if ns.json else inspection.format_description(d))
-    return 0
-
-
-def cmd_checkpoint_verify(ns: argparse.Namespace) -> int:
-    """One line per snapshot; exit 0 when every one is good, 1 otherwise."""
-    from .checkpoint import inspection
-    from .errors import CheckpointError
-    aside = inspection.set_aside(ns.path)
-    try:
-        verdicts = inspection.verify(ns.path)
-    except CheckpointError:  # no snapshot folders: fine when some were set aside
-        if not aside:
-            raise
-        verdicts = []
-    for v in verdicts:
-        print(v.line(), flush=True)
-    for line in aside:
-        print(line, flush=True)
-    return 0 if all(v.good for v in verdicts) else 1
-
-
-def cmd_checkpoint_export(ns: argparse.Namespace) -> int:
-    from .checkpoint import export_target, finetune_export
-    from .errors import ConfigError
-    from .redact import redact_url
-    final = None if ns.model_path or ns.format == "hf" else \
-        export_target.finished_model(ns.path, merge=ns.merge)
-    if final is not None:  # a finished run: its final model, newer than any snapshot
-        out = export_target.export_copy(final[0], ns.out, overwrite=ns.overwrite)
-        print(f"wrote {out}: the finished run's final model ({final[0].name}/, step {final[1]})")
-        return 0
-    found = finetune_export.find(ns.path)  # a fine-tuning run's snapshot: from_pretrained
-    if found is not None:
-        out = finetune_export.export_finetuned(*found, ns.out, merge=ns.merge,
-                                               model_path=ns.model_path, overwrite=ns.overwrite)
-        print(f"wrote {out} from snapshot {redact_url(found[0])}")
-        return 0
-    if ns.merge or ns.model_path:
-        raise ConfigError(f"--merge and --model-path apply to snapshots of fine-tuning runs "
-                          f"(model.arch=hf); {ns.path!r} holds none")
-    if ns.format == "hf":  # a finished run's model/ as a Hugging Face LlamaForCausalLM folder
-        from .checkpoint.hf_export import export_hf
-        print(f"wrote {export_hf(ns.path, ns.out, overwrite=ns.overwrite)}")
-        return 0
-    from .checkpoint.store import export_snapshot, resolve
-    url = resolve(ns.path)
-    print(f"wrote {export_snapshot(url, ns.out, overwrite=ns.overwrite)} from snapshot "
-          f"{redact_url(url)}")
-    return 0
-
-
 def cmd_report(ns: argparse.Namespace) -> int:
-    from .records.report import write_report
+    from ..records.report import write_report
     print(f"wrote {write_report(ns.run_dir, ns.out)}")
     return 0
 
 
 def cmd_doctor(ns: argparse.Namespace) -> int:
-    from .tools import doctor
+    from ..tools import doctor
     return doctor.run(ns)
 
 
@@ -333,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "URL (s3://...).")
     ki.add_argument("path")
     ki.add_argument("--json", action="store_true", help="print JSON instead of text")
-    ki.set_defaults(func=cmd_checkpoint_inspect)
+    ki.set_defaults(func=checkpoint.cmd_inspect)
     kv = ksub.add_parser("verify", help="check every file's size and checksum; exit 1 if any "
                                         "snapshot is bad",
                          description="PATH: a snapshot folder, or a checkpoints folder or run "
@@ -344,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "clear it. Exit code 0 when all snapshots are good, 1 "
                                      "otherwise.")
     kv.add_argument("path")
-    kv.set_defaults(func=cmd_checkpoint_verify)
+    kv.set_defaults(func=checkpoint.cmd_verify)
     ke = ksub.add_parser("export", help="one model.safetensors from a sharded snapshot",
                          description="PATH: a snapshot folder, a checkpoints folder or an "
                                      "unfinished run dir (its newest committed snapshot), or a "
@@ -370,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     ke.add_argument("--model-path", default=None, metavar="DIR",
                     help="a fine-tuning snapshot: the base model it fine-tuned, when it is no "
                          "longer at the run's model.path")
-    ke.set_defaults(func=cmd_checkpoint_export)
+    ke.set_defaults(func=checkpoint.cmd_export)
 
     rp = sub.add_parser("report", help="draw report.png for a finished or running run",
                         description="Loss and validation loss, tokens/s and learning rate "
@@ -421,7 +353,7 @@ def run() -> None:
     is printed, many seconds on a busy one, and under torchrun in every rank. Python first joins
     the threads that are not daemons and runs every atexit hook (a logger's own included); the
     hook that ends the process is registered first, so it runs last."""
-    from .launch.worker import exit_now
+    from ..launch.worker import exit_now
     outcome = {"code": 1}  # an uncaught exception's (its traceback is printed by then)
     atexit.register(lambda: exit_now(outcome["code"]))
     try:
