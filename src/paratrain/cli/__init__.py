@@ -255,55 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     _doctor_arguments(dr)
     dr.set_defaults(func=cmd_doctor)
 
-    k = sub.add_parser("checkpoint",
-                       help="look into training snapshots, verify them, export their weights")
-    ksub = k.add_subparsers(dest="checkpoint_command", metavar="ACTION")
-    ksub.required = True
-    ki = ksub.add_parser("inspect", help="step, world size, strategy, tensors, committed or not",
-                         description="PATH: a snapshot folder (step-NNNNNNN), or a checkpoints "
-                                     "folder or run dir to list its snapshots. Local or fsspec "
-                                     "URL (s3://...).")
-    ki.add_argument("path")
-    ki.add_argument("--json", action="store_true", help="print JSON instead of text")
-    ki.set_defaults(func=checkpoint.cmd_inspect)
-    kv = ksub.add_parser("verify", help="check every file's size and checksum; exit 1 if any "
-                                        "snapshot is bad",
-                         description="PATH: a snapshot folder, or a checkpoints folder or run "
-                                     "dir (every snapshot in it); local or fsspec URL (s3://...). "
-                                     "One line per snapshot: ok, or the file that is missing, cut "
-                                     "short or changed since it was written; then each damaged "
-                                     "snapshot a resume moved aside (step-N.corrupt) and how to "
-                                     "clear it. Exit code 0 when all snapshots are good, 1 "
-                                     "otherwise.")
-    kv.add_argument("path")
-    kv.set_defaults(func=checkpoint.cmd_verify)
-    ke = ksub.add_parser("export", help="one model.safetensors from a sharded snapshot",
-                         description="PATH: a snapshot folder, a checkpoints folder or an "
-                                     "unfinished run dir (its newest committed snapshot), or a "
-                                     "finished run dir (its final model: model/, or a LoRA "
-                                     "run's adapter/ unless --merge). OUT: a folder (model "
-                                     "+ config.json + tokenizer.json, for `paratrain generate`) "
-                                     "or a file ending in .safetensors. A fine-tuning run's "
-                                     "snapshot (model.arch=hf) exports to a from_pretrained "
-                                     "folder with its tokenizer: the whole model, or for LoRA "
-                                     "the adapter alone (peft) or, with --merge, the merged "
-                                     "model.")
-    ke.add_argument("path")
-    ke.add_argument("out")
-    ke.add_argument("--format", choices=("paratrain", "hf"), default="paratrain",
-                    help="hf: a finished run's model as a Hugging Face LlamaForCausalLM folder "
-                         "with its tokenizer (transformers loads it offline)")
-    ke.add_argument("--overwrite", action="store_true",
-                    help="replace an OUT that is already there (a non-empty folder, a .safetensors "
-                         "file); without it such an OUT is refused")
-    ke.add_argument("--merge", action="store_true",
-                    help="a LoRA snapshot: the base with the adapters merged in, instead of the "
-                         "adapter alone")
-    ke.add_argument("--model-path", default=None, metavar="DIR",
-                    help="a fine-tuning snapshot: the base model it fine-tuned, when it is no "
-                         "longer at the run's model.path")
-    ke.set_defaults(func=checkpoint.cmd_export)
+    checkpoint.add_commands(sub)
 
+    _add_report_and_bench(sub)
+    return p
+
+
+def _add_report_and_bench(sub: Any) -> None:
+    """The commands that draw and time: `report`, `bench`."""
     rp = sub.add_parser("report", help="draw report.png for a finished or running run",
                         description="Loss and validation loss, tokens/s and learning rate "
                                     "against steps (metrics.jsonl), and memory per rank "
@@ -331,7 +290,6 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--peak-tflops", type=float, default=None,
                     help="peak TFLOP/s per GPU for MFU (default: from the GPU's name)")
     bp.set_defaults(func=cmd_bench)
-    return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
