@@ -1,8 +1,8 @@
 """Tensor parallelism with real gloo workers: TP=2 on 2 processes against one process, FSDP x TP
 (2 x 2) on 4 processes against DDP on 4, and snapshots moving between these layouts. Every run
 is a cached reference run (BASE: 16 steps of 8 sequences, a snapshot every 4 steps, sample ids
-recorded); the comparisons are within 1e-5 (fp32; bitwise equality across layouts is not
-possible: the sums are split differently)."""
+recorded); the comparisons are within 1e-5, the final weights within WEIGHTS_ATOL (fp32; bitwise
+equality across layouts is not possible: the sums are split differently)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,18 @@ def _state(entry: dict) -> int:
     return entry["params_bytes"] + entry["grads_bytes"] + entry["optimizer_bytes"]
 
 
+# The final weights' bound. AdamW divides each update by the gradient's running RMS, so a
+# weight whose gradient is near zero turns the fp32 rounding of sums split differently (TP splits
+# every matmul's sum) into a visibly different step: after 16 steps at lr 2e-3 that reached
+# 1.1e-5 on an AMD EPYC (2026-11-26; under 1e-5 on the CPUs before). 5e-5 is 2.5% of one step's
+# largest update (lr): a missing or extra step, or a shard in the wrong place, moves a weight by
+# about lr and still fails.
+WEIGHTS_ATOL = 5e-5
+
+
 def assert_same_run(got_dir, want_dir, first_step: int = 1, atol: float = 1e-5) -> None:
-    """Losses and gradient norms step by step, the validation loss and the final weights within
-    `atol`; the same samples in every step."""
+    """Losses and gradient norms step by step and the validation loss within `atol`, the final
+    weights within WEIGHTS_ATOL; the same samples in every step."""
     want = [m for m in read_metrics(want_dir) if m["step"] >= first_step]
     got = read_metrics(got_dir)
     assert [m["step"] for m in got] == [m["step"] for m in want]
@@ -47,7 +56,8 @@ def assert_same_run(got_dir, want_dir, first_step: int = 1, atol: float = 1e-5) 
     w_got, w_want = weights(got_dir), weights(want_dir)
     assert w_got.keys() == w_want.keys()
     for k in w_want:  # model/ holds full tensors whatever the layout
-        torch.testing.assert_close(w_got[k], w_want[k], rtol=0, atol=atol, msg=k)
+        torch.testing.assert_close(w_got[k], w_want[k], rtol=0, atol=max(atol, WEIGHTS_ATOL),
+                                   msg=k)
 
 
 def test_tp2_on_two_processes_is_one_process(request):
@@ -96,7 +106,8 @@ def test_fsdp_snapshot_resumes_under_fsdp_x_tp(request, tmp_path):
 
 def test_hf_llama_split_by_its_own_plan_is_one_process(tmp_path, corpus_dir, cache_dir):
     """A local tiny Llama (transformers, from its config.json: no weights), TP=2 through its
-    config's base_model_tp_plan, against one process: 8 steps within 1e-5."""
+    config's base_model_tp_plan, against one process: 8 steps within 1e-5 (the weights within
+    WEIGHTS_ATOL)."""
     transformers = pytest.importorskip("transformers")
     folder = tmp_path / "tiny-llama"
     transformers.LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128,
@@ -117,7 +128,7 @@ def test_hf_llama_split_by_its_own_plan_is_one_process(tmp_path, corpus_dir, cac
     got, want = weights(runs["tp"]), weights(runs["one"])
     assert got.keys() == want.keys()  # a from_pretrained folder with the full tensors
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=WEIGHTS_ATOL, msg=k)
 
 
 def test_the_simulation_holds_what_the_four_process_runs_held(request):
