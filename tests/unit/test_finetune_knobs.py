@@ -71,7 +71,7 @@ def test_damaged_weights_are_refused_before_launch_naming_the_file(tiny, tmp_pat
 
 def test_lora_targets_checked_before_the_data_and_options_passed_to_peft(tiny):
     peft = pytest.importorskip("peft")
-    from paratrain.tasks.causal_lm import PairsTask
+    from paratrain.tasks.sft import PairsTask
     from paratrain.tasks.lora import apply_lora, describe_lora, lora_config
     cfg = _pairs(tiny, "model.lora.r=4", "model.lora.target_modules=q_proj")  # a bare name
     assert cfg.model.lora.target_modules == "q_proj"
@@ -102,7 +102,7 @@ def test_lora_targets_are_checked_before_reused_records_are_said(tiny, tmp_path,
     typo in the targets is refused before any line about the data, cached or not."""
     pytest.importorskip("peft")
     from paratrain.dist import DistEnv
-    from paratrain.tasks.causal_lm import PairsTask
+    from paratrain.tasks.sft import PairsTask
     from tests.e2e._tiny_model import make_pairs, write_jsonl
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "train.jsonl", make_pairs(40))
@@ -263,7 +263,7 @@ def test_trainer_with_a_model_folder_and_a_data_file_reads_the_file(tiny, tmp_pa
 def test_a_tokenizer_larger_than_the_embeddings_is_refused_before_launch(tiny, tmp_path):
     """data.tokenizer=DIR with more ids than the model's vocab_size: one line from the task's
     preparation (the launching process), not a failure in every worker's model build."""
-    from paratrain.tasks.causal_lm import PairsTask
+    from paratrain.tasks.sft import PairsTask
     from tests.conftest import make_hf_tokenizer
     from tests.e2e._tiny_model import make_pairs
     big = make_hf_tokenizer(tmp_path / "big", [r["input"] + " " + r["output"]

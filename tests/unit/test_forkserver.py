@@ -44,13 +44,13 @@ def test_no_server_under_a_launcher_that_made_this_process_a_rank(monkeypatch):
 
 def test_the_server_imports_what_the_task_needs(tmp_path):
     lm = forkserver.worker_modules(_cfg("model.preset=tiny"))
-    assert lm == ["paratrain.trainer", "paratrain.tasks.lm"]
+    assert lm == ["paratrain.trainer", "paratrain.tasks.pretraining"]
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
     hf = forkserver.worker_modules(_cfg("model.arch=hf", f"model.path={model}",
                                         "data.format=pairs", "model.lora.r=8"))
-    assert "paratrain.tasks.causal_lm" in hf and "transformers.models.llama.modeling_llama" in hf
+    assert "paratrain.tasks.sft" in hf and "transformers.models.llama.modeling_llama" in hf
     assert "peft" in hf
     # the server skips a name that does not import: a typo here would silently cost speed
     assert all(importlib.util.find_spec(name) is not None for name in lm + hf)

@@ -22,9 +22,9 @@ def test_the_built_in_formats_and_what_they_are():
     assert registry.names() == ("packed", "padded", "pairs", "chat", "classify", "preference")
     assert registry.names(pretrained=True) == ("pairs", "chat", "classify", "preference")
     assert [registry.get(n).packed for n in ("packed", "padded")] == [True, False]
-    from paratrain.tasks.causal_lm import ChatTask, PairsTask
+    from paratrain.tasks.sft import ChatTask, PairsTask
     from paratrain.tasks.classify import ClassifyTask
-    from paratrain.tasks.lm import LMTask
+    from paratrain.tasks.pretraining import LMTask
     from paratrain.tasks.preference import DPOTask
     assert [registry.get(n).load() for n in registry.names()] == \
         [LMTask, LMTask, PairsTask, ChatTask, ClassifyTask, DPOTask]

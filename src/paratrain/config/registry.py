@@ -225,17 +225,17 @@ def _vocabulary(folder: Path) -> Optional[dict]:
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 
 register(TaskSpec(
-    "packed", "paratrain.tasks.lm:LMTask", packed=True, pipelined=True,
+    "packed", "paratrain.tasks.pretraining:LMTask", packed=True, pipelined=True,
     summary="a language model on a corpus cut into full windows of data.seq_length tokens"))
 register(TaskSpec(
-    "padded", "paratrain.tasks.lm:LMTask",
+    "padded", "paratrain.tasks.pretraining:LMTask",
     summary="a language model on a corpus, one document per padded row"))
 register(TaskSpec(
-    "pairs", "paratrain.tasks.causal_lm:PairsTask", pretrained=True, objective="sft",
+    "pairs", "paratrain.tasks.sft:PairsTask", pretrained=True, objective="sft",
     record_fields=("input", "output"), generate="paratrain.models.hf:generate_hf_reply",
     summary="a pretrained causal LM on input->output pairs, the loss on the outputs"))
 register(TaskSpec(
-    "chat", "paratrain.tasks.causal_lm:ChatTask", pretrained=True, objective="sft",
+    "chat", "paratrain.tasks.sft:ChatTask", pretrained=True, objective="sft",
     record_fields=("messages",), generate="paratrain.models.hf:generate_hf_chat",
     summary="a pretrained causal LM on conversations, the loss on the assistant turns"))
 register(TaskSpec(

@@ -1,9 +1,9 @@
 """What is being trained: the model, its data, its loss, and how the result is saved.
 
 The loop is the same for every task; what differs lives behind `Task`, a typing.Protocol. The
-tasks are found by `data.format` in the registry (config/registry.py): `LMTask` (lm.py, a
+tasks are found by `data.format` in the registry (config/registry.py): `LMTask` (pretraining.py, a
 language model on a corpus), the fine-tuning tasks on a pretrained Hugging Face model (hf.py's
-shared base; causal_lm.py, classify.py), and, outside the registry, the user's own model and data
+shared base; sft.py, classify.py), and, outside the registry, the user's own model and data
 (`UserTask`, user.py) or any Task object handed to `Trainer(task=...)`.
 The unit the loss counts (tokens, texts, samples) is called a *loss unit* everywhere: the loop
 weights gradients by it, and throughput (`tokens_per_s` in the files, `unit_name` per second)
@@ -21,7 +21,7 @@ A task may need models that are run but not trained (DPO's reference, a distilla
 model's parallelism, keeps them out of the optimizer and the snapshots, counts their memory, and
 hands them to `loss` as `frozen`.
 A task whose model a pipeline may cut into stages says how many blocks it has
-(`pipeline_blocks`, lm.py: the built-in Llama / GPT of a spec with `pipelined`); without it
+(`pipeline_blocks`, pretraining.py: the built-in Llama / GPT of a spec with `pipelined`); without it
 trainer.pipeline_parallel > 1 is refused in one line.
 """
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..formatting import human_count
 from .base import NO_FROZEN, Frozen, MemoryProbe, sequence_logps, to_device
-from .causal_lm import CausalLMTask
+from .sft import CausalLMTask
 from .hf import Encoder
 
 

@@ -243,7 +243,7 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
     """Run the bench and write bench.json (+ bench.png); returns what bench.json holds."""
     from ..models import flops_per_token
     from ..runplan import batch_plan, steps_per_epoch
-    from ..tasks.lm import LMTask
+    from ..tasks.pretraining import LMTask
 
     if warmup < 1 or steps < 2 or repeats < 1:
         raise ConfigError(f"--warmup={warmup}, --steps={steps}, --repeats={repeats}: need at "
