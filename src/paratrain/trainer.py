@@ -24,7 +24,7 @@ from .dist import DistEnv, restart_attempt
 from .errors import ConfigError, Interrupted
 from .launch import environment, forkserver
 from .launch.nodes import join_nodes
-from .launch.preemption import requeue_slurm_job
+from .launch.preemption import await_stop_signal, requeue_slurm_job
 from .launch.worker import exit_after_result, own_session
 from .parallel.dims import check_tensor_parallel
 from .parallel.strategies import processes_per_node
@@ -271,8 +271,20 @@ def _worker_main(cfg: TrainConfig, plan: Optional[RunPlan],
     env = environment.worker_dist_env(launcher, cfg.trainer.devices, cfg.distributed.backend,
                                  cfg.distributed.timeout_s,
                                  devices=list(plan.devices) if plan is not None else None)
-    return run_rank(cfg, dataclasses.replace(env, attempt=restart_attempt()), plan, given,
-                    timeline)
+    out = run_rank(cfg, dataclasses.replace(env, attempt=restart_attempt()), plan, given,
+                   timeline)
+    if cfg.distributed.elastic and out.get("stopped_by") and not out.get("signalled_here"):
+        # Another node's signal stopped this rank: most often that node's agent restarting its
+        # workers because a node joined. Returning at once would tell this node's agent the job
+        # is done, and it would wait at the exit barrier for nodes that go on without it: give
+        # the agent a moment to see the newcomer and stop this worker itself. (A stop meant for
+        # the other node alone finds no newcomer: the job then ends on every node, as before.)
+        await_stop_signal(PEER_STOP_WAIT_S)
+    return out
+
+
+# How long a rank stopped by another node's signal waits for its own agent to stop it.
+PEER_STOP_WAIT_S = 10.0
 
 
 def _result(out: dict) -> RunResult:

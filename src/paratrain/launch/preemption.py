@@ -112,6 +112,31 @@ class ForwardToWorkers(_StopHandlers):
             raise SignalException(f"process {os.getpid()} got {sig.name}", sigval=sig)
 
 
+class _Noted(_StopHandlers):
+    """Notes that a stop signal came, and nothing more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.came = threading.Event()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.came.set()
+
+
+def await_stop_signal(timeout_s: float) -> bool:
+    """Whether a stop signal reaches this process within `timeout_s` (the handlers are put
+    back after). A rank that stopped only because another rank was signalled waits here for
+    its own: in an elastic job that is how its agent says the stop was a membership change."""
+    noted = _Noted().install()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not noted.came.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)  # a signal cuts the sleep short; its handler runs here
+        return noted.came.is_set()
+    finally:
+        noted.restore()
+
+
 # The signals torch's agent may keep handling itself (its default adds SIGTERM and SIGINT,
 # which ForwardToWorkers takes instead): LaunchConfig.signals_to_handle.
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"

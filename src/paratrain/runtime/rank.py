@@ -67,7 +67,8 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
         last = run.train()
         if run.loop.stopped_by:  # a stop signal: the snapshot is committed; no evaluation
             return {"summary": {}, "run_dir": str(cfg.run_dir), "is_master": env.is_master,
-                    "stopped_by": run.loop.stopped_by, "step": run.loop.state.step}
+                    "stopped_by": run.loop.stopped_by, "step": run.loop.state.step,
+                    "signalled_here": bool(stop.signum)}  # or only another rank was
         return run.finish(last)
     except Exception as e:
         failed = True
