@@ -4,7 +4,7 @@ stops at the same step and the kept weights do not depend on how many workers ra
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 
@@ -15,10 +15,15 @@ class BestTracker:
     best_loss: Optional[float] = None
     best_step: Optional[int] = None
     evals_without_improvement: int = 0
+    # the task's figures of the best evaluation (accuracy, ...): keep_best reports them, so a
+    # snapshot carries them (JSON numbers)
+    best_metrics: dict = field(default_factory=dict)
 
-    def update(self, step: int, val_loss: Optional[float]) -> bool:
-        """Record an evaluation; True when it is the best so far (the lowest loss). Patience
-        counts evaluations that did not beat the best by more than `threshold`."""
+    def update(self, step: int, val_loss: Optional[float], metrics: Optional[dict] = None
+               ) -> bool:
+        """Record an evaluation (its loss, and the task's figures); True when it is the best so
+        far (the lowest loss). Patience counts evaluations that did not beat the best by more
+        than `threshold`."""
         if val_loss is None:
             return False
         first = self.best_loss is None
@@ -28,6 +33,8 @@ class BestTracker:
             self.evals_without_improvement += 1
         if first or val_loss < self.best_loss:
             self.best_loss, self.best_step = val_loss, step
+            self.best_metrics = {k: v if v is None or isinstance(v, (int, str)) else float(v)
+                                 for k, v in (metrics or {}).items()}
             return True
         return False
 
@@ -46,3 +53,4 @@ class BestTracker:
     def load_state_dict(self, state: dict) -> None:
         self.best_loss, self.best_step = state.get("best_loss"), state.get("best_step")
         self.evals_without_improvement = int(state.get("evals_without_improvement", 0))
+        self.best_metrics = dict(state.get("best_metrics") or {})  # (older snapshots: none)

@@ -87,7 +87,6 @@ class TrainLoop:
         self.stopped_early: Optional[str] = None  # why the loop stopped before total_steps
         self.stopped_by = 0  # the signal every rank agreed to stop on (0: none)
         self.val_metrics: dict = {}  # the last evaluation's figures besides the loss (accuracy)
-        self.best_metrics: dict = {}  # those of the best evaluation (keep_best reports them)
         if resumed is not None:
             self._restore(resumed)
 
@@ -101,9 +100,8 @@ class TrainLoop:
 
     def record_evaluation(self, val_loss: Optional[float]) -> None:
         """Track the best validation loss; a new best goes to `on_best` (keep_best saves it)."""
-        if not self.state.best.update(self.state.step, val_loss):
+        if not self.state.best.update(self.state.step, val_loss, self.val_metrics):
             return
-        self.best_metrics = dict(self.val_metrics)
         if self.on_best is not None:
             self.on_best(self.state.step)
 

@@ -203,12 +203,12 @@ class RankRun:
         val_loss = loop.evaluate()
         val_metrics = loop.val_metrics  # e.g. accuracy, for a classifier
         best = loop.state.best
-        final_is_best = best.update(loop.state.step, val_loss)
+        final_is_best = best.update(loop.state.step, val_loss, val_metrics)
         keep_best = self.cfg.trainer.keep_best and not final_is_best and best.best_step is not None
         if keep_best:
             log(env, f"keeping the weights of step {best.best_step} (validation loss "
                      f"{best.best_loss:.4f}; the last step's is {val_loss:.4f})")
-            val_loss, val_metrics = best.best_loss, loop.best_metrics
+            val_loss, val_metrics = best.best_loss, best.best_metrics
         if val_loss is not None:
             log(env, f"validation loss {val_loss:.4f}" + (
                 f" (perplexity {math.exp(val_loss):.2f})" if self.task.perplexity else "") + (
