@@ -161,7 +161,7 @@ def _check_classify(cfg: Any) -> None:
                           "names of the text and label fields of the records")
 
 
-DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+DPO_LOSSES = ("sigmoid", "ipo", "ipo_sum", "hinge")
 
 
 def _check_preference(cfg: Any) -> None:

@@ -275,7 +275,8 @@ class DPOConfig:
     beta: float = 0.1
     """How far the policy may move from the reference."""
     loss: str = "sigmoid"
-    """sigmoid (the DPO paper) | ipo | hinge."""
+    """sigmoid (the DPO paper) | ipo (TRL's: log-probs averaged per token) | ipo_sum (summed
+    log-probs) | hinge."""
     label_smoothing: float = 0.0
     """sigmoid: the assumed share of flipped labels (cDPO)."""
     reference: Optional[str] = None

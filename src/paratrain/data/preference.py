@@ -135,9 +135,17 @@ def preference_texts(rows: Sequence[Dict[str, Any]], tokenizer: Any, f: Preferen
                 raise DataError(f"{where}: the chat template renders the prompt differently "
                                 "once a response follows it, so the response cannot be told "
                                 "apart; use a template that renders messages in order")
-            texts.append(full[len(prompt_text):])
+            texts.append(_through_eos(full[len(prompt_text):], tokenizer.eos_token))
         out.append((prompt_text, texts[0], texts[1], margin))
     return out, templated
+
+
+def _through_eos(response: str, eos_token: Optional[str]) -> str:
+    """A templated response without the whitespace its template writes after the EOS token
+    (ChatML's "<|im_end|>" then a newline): supervised fine-tuning does not count it either
+    (hf_tokenizer.assistant_spans), and after the last token it predicts nothing."""
+    kept = response.rstrip()
+    return kept if eos_token and kept.endswith(eos_token) else response
 
 
 def _empty(value: Any) -> bool:
