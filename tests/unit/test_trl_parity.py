@@ -111,3 +111,46 @@ def test_dpo_losses_equal_trls_step_after_step(llama, tmp_path, loss_type):
     theirs = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert figures[name] == pytest.approx(theirs[name], abs=1e-5), name
+
+
+def kto_rows(n: int, seed: int = 2) -> list[dict]:
+    rnd = random.Random(seed)
+    return [{"prompt": _phrase(rnd, 2, 6), "completion": " " + _phrase(rnd, 1, 6),
+             "label": rnd.random() < 0.6} for _ in range(n)]
+
+
+def test_kto_loss_equals_trls_over_16_steps(llama, tmp_path):
+    """trainer.objective=kto on unpaired records, unequal weights: 16 steps of 4 examples
+    (mismatched sequences made by paratrain, scored by both), each step's loss equal to TRL's
+    KTOTrainer.compute_loss within 1e-5, the policy trained by paratrain's loss in between;
+    the rewards and the KL estimate logged under TRL's names, with its values."""
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+    rows = kto_rows(64)
+    task, model, frozen = prepared(llama, tmp_path, rows, "data.format=preference",
+                                   "trainer.objective=kto", "kto.beta=0.2",
+                                   "kto.desirable_weight=1.0", "kto.undesirable_weight=1.3")
+    args = trl_args(KTOConfig, tmp_path, beta=0.2, desirable_weight=1.0, undesirable_weight=1.3,
+                    per_device_train_batch_size=4)
+    trainer = KTOTrainer(model=model, ref_model=frozen["reference"], args=args,
+                         train_dataset=Dataset.from_list(rows), processing_class=task.tokenizer)
+    pad, worst = task.tokenizer.pad_token_id, 0.0
+    model.train()
+    for step in range(16):
+        examples = [task.train_ds[i] for i in range(4 * step, 4 * step + 4)]
+        s, n, counts = task.train_counts(model, task.collate(examples), CPU, AMP, frozen)
+        starts = [ex["prompt_len"] for ex in examples]
+        inputs = padded([ex["completion"] for ex in examples], starts, pad)
+        inputs.update({f"KL_{k}": v for k, v in padded(
+            [ex["mismatched"] for ex in examples], starts, pad).items()})
+        inputs["label"] = torch.tensor([bool(ex["label"]) for ex in examples])
+        theirs = trainer.compute_loss(model, inputs)
+        worst = max(worst, abs((s / n).item() - theirs.item()))
+        assert worst <= 1e-5, (step, (s / n).item(), theirs.item())
+        _train_in_step(model, s / n)
+    figures = task.train_metrics({k: float(v) for k, v in counts.items()})
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    for name in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+        if name in logged:
+            assert figures[name] == pytest.approx(logged[name], abs=1e-5), name
+    assert figures["kl"] >= 0

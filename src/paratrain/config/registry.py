@@ -222,6 +222,24 @@ def _vocabulary(folder: Path) -> Optional[dict]:
     return vocab
 
 
+def _check_kto(cfg: Any) -> None:
+    """kto.*: a positive beta and positive weights; the reference as DPO's, not precomputed."""
+    p = cfg.kto
+    if not p.beta > 0:
+        raise ConfigError(f"kto.beta={p.beta} must be positive (TRL's default: 0.1)")
+    for key in ("desirable_weight", "undesirable_weight"):
+        if not getattr(p, key) > 0:
+            raise ConfigError(f"kto.{key}={getattr(p, key)} must be positive (1.0: TRL's "
+                              "default; raise the weight of the rarer kind of example)")
+    if cfg.dpo.precompute_reference:
+        raise ConfigError("dpo.precompute_reference applies to trainer.objective=dpo; KTO "
+                          "scores each batch's mismatched sequences with the reference: set it "
+                          "to false")
+    if cfg.dpo.reference is not None:
+        _check_reference(cfg.dpo.reference, cfg.model.path,
+                         cfg.data.tokenizer if cfg.data.tokenizer != "auto" else cfg.model.path)
+
+
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 
 register(TaskSpec(
@@ -254,6 +272,12 @@ register(TaskSpec(
     record_fields=PREFERENCE_FIELDS, checks=(_check_preference,), encoder_decoder=None,
     generate="paratrain.tasks.reward:generate_score",
     summary="a reward model (a one-score head) on preference pairs, Bradley-Terry loss"))
+register(TaskSpec(
+    "preference", "paratrain.tasks.kto:KTOTask", pretrained=True, objective="kto",
+    record_fields=PREFERENCE_FIELDS, checks=(_check_kto,),
+    generate="paratrain.models.hf:generate_hf_reply",
+    summary="KTO: a pretrained causal LM on desirable / undesirable completions (preference "
+            "pairs, or prompt/completion/label records), against a frozen reference"))
 register(TaskSpec(
     "pairs", "paratrain.tasks.seq2seq:Seq2SeqTask", pretrained=True, objective="seq2seq",
     record_fields=("input", "output"), encoder_decoder=True,

@@ -287,6 +287,32 @@ class DPOConfig:
 
 
 @dataclass
+class KTOConfig:
+    """Kahneman-Tversky optimization (trainer.objective=kto); see tasks/kto.py. The reference
+    is chosen as DPO's: a frozen copy, LoRA's adapters off, or dpo.reference."""
+    beta: float = 0.1
+    """How far the policy may move from the reference."""
+    desirable_weight: float = 1.0
+    """The weight of a desirable example's loss."""
+    undesirable_weight: float = 1.0
+    """The weight of an undesirable example's loss."""
+
+
+@dataclass
+class EmbeddingConfig:
+    """Sentence-embedding models (data.format=embedding); see tasks/embedding.py."""
+    pooling: str = "mean"
+    """mean | cls | last (the last real token: decoder models)."""
+    scale: float = 20.0
+    """Similarities x scale are the logits of the in-batch-negatives loss."""
+    symmetric: bool = False
+    """Also score each positive against every anchor (sentence-transformers'
+    MultipleNegativesSymmetricRankingLoss)."""
+    normalize: bool = False
+    """Save the model with a Normalize module (unit-length embeddings)."""
+
+
+@dataclass
 class CheckpointConfig:
     """Sharded snapshots (torch.distributed.checkpoint) and resuming from them."""
     dir: Optional[str] = None

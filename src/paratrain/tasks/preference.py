@@ -161,8 +161,9 @@ class DPOTask(PairTask, CausalLMTask):
 
     def memory_probe(self) -> Optional[MemoryProbe]:
         """The policy (with its adapters, under LoRA) and the reference it holds, from their
-        configs; a sample is a pair: two rows of the longest sequence."""
-        longest = int(max(self.train_ds.lengths(side).max() for side in ("chosen", "rejected")))
+        configs; a sample is two rows (a pair's; KTO's completion and mismatched sequence) of
+        the longest sequence."""
+        longest = int(max(self.train_ds.lengths(side).max() for side in self.collate.sides))
         reference = self.cfg.dpo.reference or self.cfg.model.path
         held = self.reference in (Reference.COPY, Reference.FOLDER)
         return MemoryProbe(_PairProbe(self.cfg, self.cfg.model.path), longest,

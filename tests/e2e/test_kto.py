@@ -1,0 +1,44 @@
+"""KTO end to end (trainer.objective=kto on preference pairs, each pair a desirable and an
+undesirable example): 1 worker and 2 DDP workers with the same global batch run the same steps
+(loss, KL estimate, rewards, trained weights), the KL estimate summed over both workers' batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import read_metrics, run_cli
+from tests.e2e._preference_data import small_run_args
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(900)]
+
+
+def _kto(run_dir: Path, llama: Path, data: tuple[Path, Path], **extra) -> Path:
+    r = run_cli(small_run_args(llama, *data, run_dir, **{
+        "data.format": "preference", "trainer.objective": "kto", "trainer.max_steps": 6,
+        "kto.undesirable_weight": 1.5, **extra}), cwd=run_dir.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_one_and_two_workers_run_the_same_kto_steps(tmp_path, preference_llama,
+                                                    preference_data):
+    from safetensors.torch import load_file
+    one = _kto(tmp_path / "one", preference_llama, preference_data,
+               **{"trainer.devices": "cpu", "trainer.batch_size": 8})
+    two = _kto(tmp_path / "two", preference_llama, preference_data,
+               **{"trainer.strategy": "ddp"})
+    rows = {name: read_metrics(run) for name, run in (("one", one), ("two", two))}
+    assert len(rows["one"]) == len(rows["two"]) == 6
+    for a, b in zip(rows["one"], rows["two"]):
+        for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+    first = rows["one"][0]  # policy = reference: no reward, KL 0, each loss half its weight
+    assert first["kl"] == 0.0 and first["rewards/chosen"] == first["rewards/rejected"] == 0.0
+    assert 0.5 <= first["loss"] <= 0.75 and all(r["kl"] >= 0 for r in rows["one"])
+    assert any(r["kl"] > 0 for r in rows["one"])  # an estimate both workers' batches made
+    w1, w2 = (load_file(str(run / "model" / "model.safetensors")) for run in (one, two))
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-5
