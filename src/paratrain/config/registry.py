@@ -240,6 +240,20 @@ def _check_kto(cfg: Any) -> None:
                          cfg.data.tokenizer if cfg.data.tokenizer != "auto" else cfg.model.path)
 
 
+EMBEDDING_POOLINGS = ("mean", "cls", "last")
+
+
+def _check_embedding(cfg: Any) -> None:
+    """embedding.*: a known pooling and a positive scale."""
+    e = cfg.embedding
+    if e.pooling not in EMBEDDING_POOLINGS:
+        raise ConfigError(f"embedding.pooling={e.pooling!r} is not one of: "
+                          f"{', '.join(EMBEDDING_POOLINGS)} (last: for decoder-only models)")
+    if not e.scale > 0:
+        raise ConfigError(f"embedding.scale={e.scale} must be positive (sentence-transformers' "
+                          "default: 20, a temperature of 0.05)")
+
+
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 
 register(TaskSpec(
@@ -278,6 +292,13 @@ register(TaskSpec(
     generate="paratrain.models.hf:generate_hf_reply",
     summary="KTO: a pretrained causal LM on desirable / undesirable completions (preference "
             "pairs, or prompt/completion/label records), against a frozen reference"))
+register(TaskSpec(
+    "embedding", "paratrain.tasks.embedding:EmbeddingTask", pretrained=True,
+    objective="embedding", record_fields=("anchor", "positive"), checks=(_check_embedding,),
+    encoder_decoder=None, generate="paratrain.tasks.embedding:generate_embedding",
+    summary="a sentence-embedding model (an encoder or decoder, pooled) on anchor/positive"
+            "[/negative] records (in-batch negatives gathered over every worker) or scored "
+            "text1/text2 pairs (cosine similarity)"))
 register(TaskSpec(
     "pairs", "paratrain.tasks.seq2seq:Seq2SeqTask", pretrained=True, objective="seq2seq",
     record_fields=("input", "output"), encoder_decoder=True,
