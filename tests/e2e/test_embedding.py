@@ -1,20 +1,21 @@
-"""Embedding models end to end (data.format=embedding, a tiny local Llama, mean pooling, anchor /
-positive / hard-negative records): 1 worker and 2 DDP workers with the same global batch run
-the same steps and end with the same weights (the candidates gathered from both workers with
-their gradients); validation reports retrieval figures; the run's model/ folder loads with
-sentence-transformers and embeds texts as paratrain does, and `paratrain generate` prints the
-same embedding."""
+"""Embedding models end to end: the embedding guide (docs/guides/embeddings.md) runs as printed
+in a folder holding a tiny local Llama (my-model/) and anchor / positive / hard-negative records.
+1 worker and 2 DDP workers with the same global batch run the same steps and end with the same
+weights (the candidates gathered from both workers with their gradients); validation reports
+retrieval figures; the run's model/ folder loads with sentence-transformers and embeds texts as
+paratrain does; `paratrain generate` prints the same embedding."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.conftest import read_metrics, read_summary, run_cli
-from tests.e2e._preference_data import preference_rows, small_run_args
+from tests.e2e._doc_blocks import doc_blocks
+from tests.e2e._preference_data import preference_rows
 from tests.e2e._tiny_model import write_jsonl
 
 pytest.importorskip("transformers")
@@ -26,22 +27,31 @@ def _records(n: int, seed: int) -> list[dict]:
             for r in preference_rows(n, seed)]
 
 
-def _train(run_dir: Path, llama: Path, train: Path, val: Path, **extra) -> Path:
-    r = run_cli(small_run_args(llama, train, val, run_dir, **{
-        "data.format": "embedding", "trainer.max_steps": 5, **extra}), cwd=run_dir.parent)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run_dir
+def _guide() -> tuple[list[list[str]], list[str]]:
+    """(the guide's commands as argument lists, its Python blocks' code)."""
+    mine = [b for b in doc_blocks()
+            if b.marker == "run by" and b.reason.startswith("tests/e2e/test_embedding.py")]
+    return ([args for b in mine if b.lang == "bash" for args in b.commands()],
+            [b.code for b in mine if b.lang == "python"])
 
 
 @pytest.mark.slow
-def test_one_and_two_workers_agree_and_sentence_transformers_loads_the_model(
-        tmp_path, preference_llama):
+def test_the_guide_runs_and_one_and_two_workers_agree(tmp_path, preference_llama, monkeypatch):
+    import shutil
+
     from safetensors.torch import load_file
-    train = write_jsonl(tmp_path / "train.jsonl", _records(96, 0))
-    val = write_jsonl(tmp_path / "val.jsonl", _records(21, 1))
-    one = _train(tmp_path / "one", preference_llama, train, val,
-                 **{"trainer.devices": "cpu", "trainer.batch_size": 8})
-    two = _train(tmp_path / "two", preference_llama, train, val, **{"trainer.strategy": "ddp"})
+    shutil.copytree(preference_llama, tmp_path / "my-model")
+    write_jsonl(tmp_path / "pairs.jsonl", _records(96, 0))
+    write_jsonl(tmp_path / "pairs-val.jsonl", _records(21, 1))
+    commands, python = _guide()
+    assert [a[:2] for a in commands] == [["paratrain", "train"]] * 2 + [["paratrain", "generate"]]
+    outputs = []
+    for args in commands:
+        more = ["trainer.log_every=1"] if args[1] == "train" else []  # a loss every step
+        r = run_cli(args[1:] + more, cwd=tmp_path)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr[-3000:])
+        outputs.append(r.stdout)
+    one, two = tmp_path / "runs" / "emb-one", tmp_path / "runs" / "emb-two"
     rows = [read_metrics(one), read_metrics(two)]
     assert len(rows[0]) == len(rows[1]) == 5
     for a, b in zip(*rows):
@@ -49,22 +59,23 @@ def test_one_and_two_workers_agree_and_sentence_transformers_loads_the_model(
     w1, w2 = (load_file(str(run / "model" / "model.safetensors")) for run in (one, two))
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-5
     summary = read_summary(one)
-    assert 0 <= summary["val_accuracy"] <= 1 and summary["val_accuracy"] <= summary["val_mrr@10"]
+    assert 0 <= summary["val_accuracy"] <= summary["val_mrr@10"] <= 1
 
-    texts = [r["anchor"] for r in _records(5, 2)]
+    texts = ["Say: red cat"] + [r["anchor"] for r in _records(4, 2)]
     ours = _paratrain_embeddings(one / "model", texts)
     st = pytest.importorskip("sentence_transformers")
     theirs = st.SentenceTransformer(str(one / "model"), device="cpu").encode(
         texts, convert_to_tensor=True, batch_size=2)
     assert (ours - theirs).abs().max().item() <= 1e-5
-    from paratrain.tasks.embedding import generate_embedding
-    printed = generate_embedding(one / "model", texts[0], SimpleNamespace(device="cpu",
-                                                                          run_dir=one))
-    assert torch.allclose(torch.tensor(eval(printed)), ours[0], atol=1e-5)
+    printed = torch.tensor(json.loads(outputs[-1].strip().splitlines()[-1]))
+    assert torch.allclose(printed, ours[0], atol=1e-5)  # generate: the guide's prompt
+    monkeypatch.chdir(tmp_path)
+    for code in python:
+        exec(compile(code, "docs/guides/embeddings.md", "exec"), {})
 
 
 def _paratrain_embeddings(model_dir: Path, texts: list[str]) -> torch.Tensor:
-    """The texts embedded the way training embedded them: paratrain's encoder, collate, pooling."""
+    """The texts embedded as training embedded them: paratrain's encoder, collate, pooling."""
     import transformers
 
     from paratrain.data.embedding import EmbeddingCollate, embedding_dataset, encode_embedding
