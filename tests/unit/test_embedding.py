@@ -81,3 +81,14 @@ def test_bad_embedding_keys_are_one_line(tmp_path, override, message):
         TrainConfig.from_yaml(None, args + [override])
     cfg = TrainConfig.from_yaml(None, args)
     assert cfg.task.task.endswith("EmbeddingTask") and json.dumps(cfg.embedding.scale) == "20.0"
+
+
+def test_setfit_pairs_are_drawn_from_the_labels():
+    from paratrain.tasks.setfit import draw_pairs
+    examples = [{"input_ids": [i], "label": i % 3} for i in range(9)]
+    pairs = draw_pairs(examples, rounds=2, seed=0)
+    assert len(pairs) == 2 * 2 * 9 and pairs == draw_pairs(examples, rounds=2, seed=0)
+    for p in pairs:
+        same = p["text1"][0] % 3 == p["text2"][0] % 3
+        assert p["score"] == (1.0 if same else 0.0)
+    assert sum(p["score"] for p in pairs) == 18  # one same-label pair per text and round

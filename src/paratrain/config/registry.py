@@ -249,6 +249,9 @@ def _check_embedding(cfg: Any) -> None:
     if e.pooling not in EMBEDDING_POOLINGS:
         raise ConfigError(f"embedding.pooling={e.pooling!r} is not one of: "
                           f"{', '.join(EMBEDDING_POOLINGS)} (last: for decoder-only models)")
+    if e.pair_iterations < 1:
+        raise ConfigError(f"embedding.pair_iterations={e.pair_iterations} must be at least 1 "
+                          "(SetFit's default: 20)")
     if not e.scale > 0:
         raise ConfigError(f"embedding.scale={e.scale} must be positive (sentence-transformers' "
                           "default: 20, a temperature of 0.05)")
@@ -299,6 +302,12 @@ register(TaskSpec(
     summary="a sentence-embedding model (an encoder or decoder, pooled) on anchor/positive"
             "[/negative] records (in-batch negatives gathered over every worker) or scored "
             "text1/text2 pairs (cosine similarity)"))
+register(TaskSpec(
+    "classify", "paratrain.tasks.setfit:SetFitTask", pretrained=True, objective="setfit",
+    record_fields=("text", "label"), checks=(_check_classify, _check_embedding),
+    encoder_decoder=None, generate="paratrain.tasks.setfit:generate_setfit_label",
+    summary="SetFit: an embedding model trained on pairs drawn from labelled texts, then a "
+            "logistic-regression head"))
 register(TaskSpec(
     "pairs", "paratrain.tasks.seq2seq:Seq2SeqTask", pretrained=True, objective="seq2seq",
     record_fields=("input", "output"), encoder_decoder=True,

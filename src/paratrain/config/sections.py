@@ -222,8 +222,9 @@ class TrainerConfig:
     """Fine-tuning formats: NEFTune noise of +-alpha/sqrt(T x C) on the input embeddings while
     training; null: off."""
     objective: str = "auto"
-    """What data.format trains: auto (the format's first) | lm | sft | classify | dpo | reward
-    (preference data) | seq2seq (pairs on an encoder-decoder model)."""
+    """What data.format trains: auto (the format's first) | lm | sft | classify | setfit
+    (classify data) | dpo | kto | reward (preference data) | seq2seq (pairs on an
+    encoder-decoder model) | embedding."""
 
 
 @dataclass
@@ -310,6 +311,8 @@ class EmbeddingConfig:
     MultipleNegativesSymmetricRankingLoss)."""
     normalize: bool = False
     """Save the model with a Normalize module (unit-length embeddings)."""
+    pair_iterations: int = 20
+    """trainer.objective=setfit: rounds of pairs drawn per text (one same-label, one other)."""
 
 
 @dataclass

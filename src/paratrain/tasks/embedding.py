@@ -247,18 +247,39 @@ class _Encode(Encoder):
         return examples
 
 
+def load_embedder(folder: Path) -> tuple[nn.Module, str]:
+    """(the transformers model of a saved embedding folder, in eval mode on the CPU, its pooling
+    from 1_Pooling/config.json)."""
+    import transformers
+    model = transformers.AutoModel.from_pretrained(folder, local_files_only=True,
+                                                   use_safetensors=True).eval()
+    config = json.loads((Path(folder) / "1_Pooling" / "config.json").read_text())
+    return model, next(m for m, key in POOLINGS.items() if config.get(key))
+
+
+@torch.no_grad()
+def embed_folder(model: nn.Module, pooling: str, texts: list, pad_id: int,
+                 batch: int = 32) -> torch.Tensor:
+    """(N, H) float32 embeddings of token-id lists, `batch` at a time, right-padded."""
+    from ..data.ragged import pad_rows
+    out = []
+    for start in range(0, len(texts), batch):
+        ids, mask = pad_rows([torch.as_tensor(t) for t in texts[start:start + batch]], pad_id)
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        out.append(pool(hidden, mask, pooling))
+    return torch.cat(out)
+
+
 def generate_embedding(model_dir: Path, prompt: str, opts: Any) -> str:
     """`paratrain generate` on an embedding model's run: the prompt's embedding (JSON), as
     sentence-transformers computes it from the saved folder (pooling and normalization)."""
     import transformers
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = transformers.AutoModel.from_pretrained(model_dir, local_files_only=True,
-                                                   use_safetensors=True).to(opts.device).eval()
-    pooling = json.loads((Path(model_dir) / "1_Pooling" / "config.json").read_text())
-    mode = next(m for m, key in POOLINGS.items() if pooling.get(key))
-    ids = tokenizer(prompt, return_tensors="pt").to(opts.device)
-    with torch.no_grad():
-        vector = pool(model(**ids).last_hidden_state.float(), ids["attention_mask"], mode)[0]
+    model, pooling = load_embedder(Path(model_dir))
+    ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise ConfigError("--prompt encodes to no tokens; give some text")
+    vector = embed_folder(model, pooling, [ids], tokenizer.pad_token_id)[0]
     if (Path(model_dir) / "2_Normalize").is_dir():
         vector = F.normalize(vector, dim=-1)
     print(f"paratrain: {opts.run_dir} is an embedding model: it prints the embedding of "
