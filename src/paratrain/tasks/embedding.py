@@ -100,6 +100,13 @@ def ranking_losses(anchors: torch.Tensor, docs: list[torch.Tensor], scale: float
     return losses
 
 
+def cosine_loss(texts: tuple[torch.Tensor, ...], score: torch.Tensor
+                ) -> tuple[torch.Tensor, int, dict]:
+    """CosineSimilarityLoss summed over scored pairs: (cos(u, v) - score)^2, u, v (B, H)."""
+    cos = F.cosine_similarity(texts[0], texts[1], dim=-1)  # (B,)
+    return ((cos - score.float()) ** 2).sum(), cos.shape[0], {}
+
+
 def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(N, H), (M, H) -> (N, M) cosine similarities."""
     return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
@@ -144,22 +151,22 @@ class EmbeddingTask(PretrainedTask):
     def count_units(self, batch: dict) -> int:
         return int(batch["input_ids"].shape[0]) // batch["columns"]
 
-    def embed(self, model: nn.Module, batch: dict, amp: ContextManager) -> torch.Tensor:
-        """(k B, H) float32 embeddings of a batch's texts."""
+    def embed(self, model: nn.Module, batch: dict, amp: ContextManager
+              ) -> tuple[torch.Tensor, ...]:
+        """The batch's texts as k float32 embeddings (B, H): anchors, positives, negatives."""
         with amp:
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         return pool(out.last_hidden_state.float(), batch["attention_mask"],
-                    self.cfg.embedding.pooling)
+                    self.cfg.embedding.pooling).chunk(batch["columns"])
 
     def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
                      amp: ContextManager, frozen: Frozen = NO_FROZEN
                      ) -> tuple[torch.Tensor, int, dict]:
         """(sum of the anchors' losses, anchors, {}): candidates from every rank."""
         batch = to_device(batch, device)
-        texts = self.embed(model, batch, amp).chunk(batch["columns"])  # k of (B, H)
+        texts = self.embed(model, batch, amp)
         if "score" in batch:
-            cos = F.cosine_similarity(texts[0], texts[1], dim=-1)  # (B,)
-            return ((cos - batch["score"].float()) ** 2).sum(), cos.shape[0], {}
+            return cosine_loss(texts, batch["score"])
         e = self.cfg.embedding
         losses = ranking_losses(texts[0], list(texts[1:]), e.scale, e.symmetric)
         return losses.sum(), losses.shape[0], {}
@@ -167,19 +174,16 @@ class EmbeddingTask(PretrainedTask):
     def eval_counts(self, model: nn.Module, batch: dict, device: torch.device,
                     amp: ContextManager, frozen: Frozen = NO_FROZEN
                     ) -> tuple[torch.Tensor, int, dict]:
-        """The loss within this rank's batch, and how its anchors rank their positives."""
+        """The loss within this rank's batch (anchors to candidates), and how its anchors rank
+        their positives."""
         batch = to_device(batch, device)
-        texts = self.embed(model, batch, amp).chunk(batch["columns"])  # k of (B, H)
+        texts = self.embed(model, batch, amp)
         if "score" in batch:
-            cos = F.cosine_similarity(texts[0], texts[1], dim=-1)
-            return ((cos - batch["score"].float()) ** 2).sum(), cos.shape[0], {}
-        B = texts[0].shape[0]
+            return cosine_loss(texts, batch["score"])
         scores = _cos(texts[0], torch.cat(texts[1:]))  # (B, k B)
-        own = scores[torch.arange(B), torch.arange(B)]  # (B,)
-        rank = (scores > own.unsqueeze(1)).sum(1) + 1  # (B,) 1: the positive first
-        e = self.cfg.embedding
-        loss = F.cross_entropy(e.scale * scores, torch.arange(B, device=scores.device),
-                               reduction="sum")
+        B, idx = scores.shape[0], torch.arange(scores.shape[0], device=scores.device)
+        rank = (scores > scores[idx, idx].unsqueeze(1)).sum(1) + 1  # (B,) 1: positive first
+        loss = F.cross_entropy(self.cfg.embedding.scale * scores, idx, reduction="sum")
         return loss, B, {"top1": (rank == 1).sum().double(),
                          "rr10": torch.where(rank <= 10, 1.0 / rank, 0.0).sum().double(),
                          "samples": float(B)}
