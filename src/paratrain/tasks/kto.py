@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, ContextManager
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
 
 from ..formatting import human_count
@@ -100,7 +100,6 @@ def _rows(batch: dict, rows: slice) -> dict:
 
 def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
     """The mean of (N,) values over every data-parallel rank's batch (no gradient)."""
-    import torch.distributed as dist
     both = torch.stack([values.detach().float().sum(),
                         torch.tensor(float(values.numel()), device=values.device)])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
