@@ -14,7 +14,7 @@ from tests.conftest import read_metrics, run_cli
 from tests.e2e._preference_data import KEYWORD, OTHER, WORDS, small_run_args
 from tests.e2e._tiny_model import write_jsonl
 
-pytest.importorskip("sklearn")
+pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(900)]
 
 
@@ -39,6 +39,7 @@ def _setfit(run_dir: Path, llama: Path, train: Path, val: Path, **extra) -> Path
 
 @pytest.mark.slow
 def test_setfit_on_one_and_two_workers_and_with_the_setfit_package(tmp_path, preference_llama):
+    pytest.importorskip("sklearn")
     from safetensors.torch import load_file
 
     from paratrain.tasks.setfit import predict

@@ -1,5 +1,5 @@
 """Embedding models in-process: paratrain's losses against sentence-transformers' own loss
-classes on the same embeddings (MultipleNegativesRankingLoss with hard negatives, its symmetric
+classes on the same embeddings (slow: importing sentence-transformers takes seconds) (MultipleNegativesRankingLoss with hard negatives, its symmetric
 form, CosineSimilarityLoss), the poolings, the records and the bad keys (one line each)."""
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from paratrain.errors import ConfigError, DataError
 from paratrain.tasks.embedding import cosine_loss, pool, ranking_losses
 from tests.unit.test_preference import _model_folder
 
-st = pytest.importorskip("sentence_transformers")
-
 
 def _embeddings(k: int, B: int = 6, H: int = 16) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(k)
     return [torch.randn(B, H, generator=g, dtype=torch.float64) for _ in range(k)]
 
 
+@pytest.mark.slow  # importing sentence-transformers takes seconds
 @pytest.mark.parametrize("columns,symmetric", [(2, False), (3, False), (2, True)])
 def test_ranking_loss_equals_sentence_transformers(columns, symmetric):
+    pytest.importorskip("sentence_transformers")
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     texts = _embeddings(columns)
     ours = ranking_losses(texts[0], texts[1:], 20.0, symmetric).mean()
@@ -33,7 +33,9 @@ def test_ranking_loss_equals_sentence_transformers(columns, symmetric):
     assert abs(ours.item() - theirs.item()) <= 1e-6
 
 
+@pytest.mark.slow
 def test_cosine_loss_equals_sentence_transformers():
+    pytest.importorskip("sentence_transformers")
     from sentence_transformers.sentence_transformer.losses import CosineSimilarityLoss
     u, v = _embeddings(2)
     score = torch.linspace(-1, 1, 6, dtype=torch.float64)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
+pytestmark = [pytest.mark.slow]  # TRL's trainers are built (seconds each)
 from torch.nn.utils.rnn import pad_sequence  # noqa: E402
 
 from paratrain.config import TrainConfig  # noqa: E402
