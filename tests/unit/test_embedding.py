@@ -75,6 +75,7 @@ def test_records_of_each_kind_and_bad_records_are_one_line():
 @pytest.mark.parametrize("override,message", [
     ("embedding.pooling=max", "embedding.pooling='max' is not one of: mean, cls, last"),
     ("embedding.scale=0", "embedding.scale=0.0 must be positive"),
+    ("data.drop_last=false", "needs the same number of pairs on each: leave data.drop_last"),
 ])
 def test_bad_embedding_keys_are_one_line(tmp_path, override, message):
     from paratrain.config import TrainConfig

@@ -255,6 +255,10 @@ def _check_embedding(cfg: Any) -> None:
     if not e.scale > 0:
         raise ConfigError(f"embedding.scale={e.scale} must be positive (sentence-transformers' "
                           "default: 20, a temperature of 0.05)")
+    if cfg.data.format == "embedding" and not cfg.data.drop_last:
+        raise ConfigError("data.format=embedding gathers the in-batch negatives from every "
+                          "worker, which needs the same number of pairs on each: leave "
+                          "data.drop_last=true (a short last batch is dropped)")
 
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
