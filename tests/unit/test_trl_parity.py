@@ -70,8 +70,10 @@ def padded(rows: list[list[int]], starts: list[int], pad_id: int) -> dict:
 
 
 def trl_args(config_class, tmp_path: Path, **kw):
+    """TRL's config in float32 (its default, bf16=True, would run the reference under bf16
+    autocast, which paratrain's fp32 run does not)."""
     return config_class(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True,
-                        logging_strategy="no", save_strategy="no", **kw)
+                        bf16=False, logging_strategy="no", save_strategy="no", **kw)
 
 
 def _train_in_step(model, loss, lr: float = 0.05) -> None:
