@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import read_metrics, read_summary, run_cli
+from tests.conftest import assert_runs_agree, read_summary, run_cli
 from tests.e2e._doc_blocks import doc_blocks
 from tests.e2e._preference_data import preference_rows
 from tests.e2e._tiny_model import write_jsonl
@@ -38,8 +38,6 @@ def _guide() -> tuple[list[list[str]], list[str]]:
 @pytest.mark.slow
 def test_the_guide_runs_and_one_and_two_workers_agree(tmp_path, preference_llama, monkeypatch):
     import shutil
-
-    from safetensors.torch import load_file
     shutil.copytree(preference_llama, tmp_path / "my-model")
     write_jsonl(tmp_path / "pairs.jsonl", _records(96, 0))
     write_jsonl(tmp_path / "pairs-val.jsonl", _records(21, 1))
@@ -52,12 +50,7 @@ def test_the_guide_runs_and_one_and_two_workers_agree(tmp_path, preference_llama
         assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr[-3000:])
         outputs.append(r.stdout)
     one, two = tmp_path / "runs" / "emb-one", tmp_path / "runs" / "emb-two"
-    rows = [read_metrics(one), read_metrics(two)]
-    assert len(rows[0]) == len(rows[1]) == 5
-    for a, b in zip(*rows):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
-    w1, w2 = (load_file(str(run / "model" / "model.safetensors")) for run in (one, two))
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-5
+    assert len(assert_runs_agree(one, two)) == 5
     summary = read_summary(one)
     assert 0 <= summary["val_accuracy"] <= summary["val_mrr@10"] <= 1
 

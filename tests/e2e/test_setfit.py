@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import assert_runs_agree, run_cli
 from tests.e2e._preference_data import KEYWORD, OTHER, WORDS, small_run_args
 from tests.e2e._tiny_model import write_jsonl
 
@@ -40,20 +40,13 @@ def _setfit(run_dir: Path, llama: Path, train: Path, val: Path, **extra) -> Path
 @pytest.mark.slow
 def test_setfit_on_one_and_two_workers_and_with_the_setfit_package(tmp_path, preference_llama):
     pytest.importorskip("sklearn")
-    from safetensors.torch import load_file
-
     from paratrain.tasks.setfit import predict
     train = write_jsonl(tmp_path / "train.jsonl", _labelled(16, 0))
     val = write_jsonl(tmp_path / "val.jsonl", _labelled(8, 1))
     one = _setfit(tmp_path / "one", preference_llama, train, val,
                   **{"trainer.devices": "cpu", "trainer.batch_size": 8})
     two = _setfit(tmp_path / "two", preference_llama, train, val, **{"trainer.strategy": "ddp"})
-    rows = [read_metrics(one), read_metrics(two)]
-    assert len(rows[0]) == len(rows[1]) == 6
-    for a, b in zip(*rows):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
-    w1, w2 = (load_file(str(run / "model" / "model.safetensors")) for run in (one, two))
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-5
+    assert len(assert_runs_agree(one, two)) == 6
 
     texts = [r["text"] for r in _labelled(8, 2)]
     ours = predict(one / "model", texts)
