@@ -256,5 +256,21 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_runs_agree(a: Path, b: Path, keys: tuple[str, ...] = ("loss",),
+                      tol: float = 1e-5) -> list[dict]:
+    """Two finished runs logged the same steps with the same figures (within `tol`) and ended
+    with the same weights (model/model.safetensors, within `tol`); a's metrics rows."""
+    from safetensors.torch import load_file
+    rows_a, rows_b = read_metrics(a), read_metrics(b)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+    for x, y in zip(rows_a, rows_b):
+        for key in keys:
+            assert abs(x[key] - y[key]) <= tol, (x["step"], key, x[key], y[key])
+    w_a, w_b = (load_file(str(run / "model" / "model.safetensors")) for run in (a, b))
+    assert w_a.keys() == w_b.keys()
+    assert max((w_a[k] - w_b[k]).abs().max().item() for k in w_a) <= tol
+    return rows_a
+
+
 def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())

@@ -115,6 +115,29 @@ def test_chat_prompts_are_rendered_with_the_template(tok, tmp_path):
     assert pairs[0]["chosen"] == prompt + _ids(tok, "sees a dog\n") + [tok.eos_token_id]
 
 
+def test_dpo_counts_what_sft_counts_of_a_templated_answer(tok, tmp_path):
+    """A ChatML-like template writes EOS then a newline after each turn: SFT counts the answer
+    through the EOS and not the newline after it; DPO's responses are the same tokens."""
+    import copy
+
+    from paratrain.data.finetune import encode_chat
+    tok = copy.deepcopy(tok)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    user = {"role": "user", "content": "the red cat"}
+    rows = [{"prompt": [user], "chosen": {"role": "assistant", "content": "sees a dog"},
+             "rejected": {"role": "assistant", "content": "eats"}}]
+    pairs, _ = encode_dpo(rows, tok, PreferenceFields(chat_template=str(template)),
+                          max_length=64)
+    for side in ("chosen", "rejected"):
+        sft, _ = encode_chat([{"messages": [user, rows[0][side]]}], tok,
+                             chat_template=str(template), max_length=64)
+        counted = [t for t in sft[0]["targets"] if t != IGNORE_INDEX]
+        assert pairs[0][side][pairs[0]["prompt_len"]:] == counted, side
+        assert counted[-1] == tok.eos_token_id
+
+
 def test_reward_texts_are_what_the_tokenizer_gives_transformers(tok):
     pairs, stats = encode_reward(ROWS, tok, PreferenceFields(), max_length=64)
     for pair, row in zip(pairs, ROWS):
@@ -137,6 +160,7 @@ def test_dpo_losses_at_known_points():
     smoothed = 0.8 * expected + 0.2 * -math.log(1 / (1 + math.exp(0.2)))
     assert DPO_LOSSES["sigmoid"](z, 0.1, 0.2)[1].item() == pytest.approx(smoothed, rel=1e-6)
     assert DPO_LOSSES["ipo"](z, 0.1, 0.0).tolist() == pytest.approx([25.0, 9.0])
+    assert DPO_LOSSES["ipo_sum"](z, 0.1, 0.0).tolist() == pytest.approx([25.0, 9.0])
     assert DPO_LOSSES["hinge"](z, 0.1, 0.0).tolist() == pytest.approx([1.0, 0.8])
     assert set(DPO_LOSSES) == set(registry.DPO_LOSSES)
 
@@ -179,7 +203,7 @@ def test_which_task_a_config_trains(tmp_path):
 @pytest.mark.parametrize("override,message", [
     ("dpo.beta=0", "dpo.beta=0.0 must be positive"),
     ("dpo.beta=-1", "dpo.beta=-1.0 must be positive"),
-    ("dpo.loss=kto", "dpo.loss='kto' is not one of: sigmoid, ipo, hinge"),
+    ("dpo.loss=kto", "dpo.loss='kto' is not one of: sigmoid, ipo, ipo_sum, hinge"),
     ("dpo.label_smoothing=0.5", r"dpo.label_smoothing=0.5 must be in \[0, 0.5\)"),
     ("dpo.loss=ipo dpo.label_smoothing=0.1", "dpo.label_smoothing applies to dpo.loss=sigmoid"),
     ("dpo.reference=/no/such", "dpo.reference='/no/such' is not a model folder"),

@@ -11,6 +11,8 @@ from .sections import (
     DataConfig,
     DistributedConfig,
     DPOConfig,
+    EmbeddingConfig,
+    KTOConfig,
     LogConfig,
     LoraConfig,
     ModelConfig,
@@ -21,6 +23,7 @@ from .sections import (
 )
 from .tree import TrainConfig
 
-__all__ = ["CheckpointConfig", "DataConfig", "DistributedConfig", "DPOConfig", "LogConfig",
+__all__ = ["CheckpointConfig", "DataConfig", "DistributedConfig", "DPOConfig", "EmbeddingConfig", "KTOConfig",
+           "LogConfig",
            "LoraConfig", "ModelConfig", "OptimConfig", "PlanConfig", "RunConfig", "TrainConfig",
            "TrainerConfig"]

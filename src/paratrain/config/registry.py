@@ -161,7 +161,7 @@ def _check_classify(cfg: Any) -> None:
                           "names of the text and label fields of the records")
 
 
-DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+DPO_LOSSES = ("sigmoid", "ipo", "ipo_sum", "hinge")
 
 
 def _check_preference(cfg: Any) -> None:
@@ -222,6 +222,45 @@ def _vocabulary(folder: Path) -> Optional[dict]:
     return vocab
 
 
+def _check_kto(cfg: Any) -> None:
+    """kto.*: a positive beta and positive weights; the reference as DPO's, not precomputed."""
+    p = cfg.kto
+    if not p.beta > 0:
+        raise ConfigError(f"kto.beta={p.beta} must be positive (TRL's default: 0.1)")
+    for key in ("desirable_weight", "undesirable_weight"):
+        if not getattr(p, key) > 0:
+            raise ConfigError(f"kto.{key}={getattr(p, key)} must be positive (1.0: TRL's "
+                              "default; raise the weight of the rarer kind of example)")
+    if cfg.dpo.precompute_reference:
+        raise ConfigError("dpo.precompute_reference applies to trainer.objective=dpo; KTO "
+                          "scores each batch's mismatched sequences with the reference: set it "
+                          "to false")
+    if cfg.dpo.reference is not None:
+        _check_reference(cfg.dpo.reference, cfg.model.path,
+                         cfg.data.tokenizer if cfg.data.tokenizer != "auto" else cfg.model.path)
+
+
+EMBEDDING_POOLINGS = ("mean", "cls", "last")
+
+
+def _check_embedding(cfg: Any) -> None:
+    """embedding.*: a known pooling and a positive scale."""
+    e = cfg.embedding
+    if e.pooling not in EMBEDDING_POOLINGS:
+        raise ConfigError(f"embedding.pooling={e.pooling!r} is not one of: "
+                          f"{', '.join(EMBEDDING_POOLINGS)} (last: for decoder-only models)")
+    if e.pair_iterations < 1:
+        raise ConfigError(f"embedding.pair_iterations={e.pair_iterations} must be at least 1 "
+                          "(SetFit's default: 20)")
+    if not e.scale > 0:
+        raise ConfigError(f"embedding.scale={e.scale} must be positive (sentence-transformers' "
+                          "default: 20, a temperature of 0.05)")
+    if cfg.data.format == "embedding" and not cfg.data.drop_last:
+        raise ConfigError("data.format=embedding gathers the in-batch negatives from every "
+                          "worker, which needs the same number of pairs on each: leave "
+                          "data.drop_last=true (a short last batch is dropped)")
+
+
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 
 register(TaskSpec(
@@ -254,6 +293,25 @@ register(TaskSpec(
     record_fields=PREFERENCE_FIELDS, checks=(_check_preference,), encoder_decoder=None,
     generate="paratrain.tasks.reward:generate_score",
     summary="a reward model (a one-score head) on preference pairs, Bradley-Terry loss"))
+register(TaskSpec(
+    "preference", "paratrain.tasks.kto:KTOTask", pretrained=True, objective="kto",
+    record_fields=PREFERENCE_FIELDS, checks=(_check_kto,),
+    generate="paratrain.models.hf:generate_hf_reply",
+    summary="KTO: a pretrained causal LM on desirable / undesirable completions (preference "
+            "pairs, or prompt/completion/label records), against a frozen reference"))
+register(TaskSpec(
+    "embedding", "paratrain.tasks.embedding:EmbeddingTask", pretrained=True,
+    objective="embedding", record_fields=("anchor", "positive"), checks=(_check_embedding,),
+    encoder_decoder=None, generate="paratrain.tasks.embedding:generate_embedding",
+    summary="a sentence-embedding model (an encoder or decoder, pooled) on anchor/positive"
+            "[/negative] records (in-batch negatives gathered over every worker) or scored "
+            "text1/text2 pairs (cosine similarity)"))
+register(TaskSpec(
+    "classify", "paratrain.tasks.setfit:SetFitTask", pretrained=True, objective="setfit",
+    record_fields=("text", "label"), checks=(_check_classify, _check_embedding),
+    encoder_decoder=None, generate="paratrain.tasks.setfit:generate_setfit_label",
+    summary="SetFit: an embedding model trained on pairs drawn from labelled texts, then a "
+            "logistic-regression head"))
 register(TaskSpec(
     "pairs", "paratrain.tasks.seq2seq:Seq2SeqTask", pretrained=True, objective="seq2seq",
     record_fields=("input", "output"), encoder_decoder=True,

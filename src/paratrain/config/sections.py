@@ -222,8 +222,9 @@ class TrainerConfig:
     """Fine-tuning formats: NEFTune noise of +-alpha/sqrt(T x C) on the input embeddings while
     training; null: off."""
     objective: str = "auto"
-    """What data.format trains: auto (the format's first) | lm | sft | classify | dpo | reward
-    (preference data) | seq2seq (pairs on an encoder-decoder model)."""
+    """What data.format trains: auto (the format's first) | lm | sft | classify | setfit
+    (classify data) | dpo | kto | reward (preference data) | seq2seq (pairs on an
+    encoder-decoder model) | embedding."""
 
 
 @dataclass
@@ -275,7 +276,8 @@ class DPOConfig:
     beta: float = 0.1
     """How far the policy may move from the reference."""
     loss: str = "sigmoid"
-    """sigmoid (the DPO paper) | ipo | hinge."""
+    """sigmoid (the DPO paper) | ipo (TRL's: log-probs averaged per token) | ipo_sum (summed
+    log-probs) | hinge."""
     label_smoothing: float = 0.0
     """sigmoid: the assumed share of flipped labels (cDPO)."""
     reference: Optional[str] = None
@@ -283,6 +285,34 @@ class DPOConfig:
     precompute_reference: bool = False
     """Compute the reference log-probs once, before training (cached), instead of holding the
     reference model."""
+
+
+@dataclass
+class KTOConfig:
+    """Kahneman-Tversky optimization (trainer.objective=kto); see tasks/kto.py. The reference
+    is chosen as DPO's: a frozen copy, LoRA's adapters off, or dpo.reference."""
+    beta: float = 0.1
+    """How far the policy may move from the reference."""
+    desirable_weight: float = 1.0
+    """The weight of a desirable example's loss."""
+    undesirable_weight: float = 1.0
+    """The weight of an undesirable example's loss."""
+
+
+@dataclass
+class EmbeddingConfig:
+    """Sentence-embedding models (data.format=embedding); see tasks/embedding.py."""
+    pooling: str = "mean"
+    """mean | cls | last (the last real token: decoder models)."""
+    scale: float = 20.0
+    """Similarities x scale are the logits of the in-batch-negatives loss."""
+    symmetric: bool = False
+    """Also score each positive against every anchor (sentence-transformers'
+    MultipleNegativesSymmetricRankingLoss)."""
+    normalize: bool = False
+    """Save the model with a Normalize module (unit-length embeddings)."""
+    pair_iterations: int = 20
+    """trainer.objective=setfit: rounds of pairs drawn per text (one same-label, one other)."""
 
 
 @dataclass

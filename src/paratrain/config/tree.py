@@ -29,6 +29,8 @@ from .sections import (
     DataConfig,
     DistributedConfig,
     DPOConfig,
+    EmbeddingConfig,
+    KTOConfig,
     LogConfig,
     ModelConfig,
     OptimConfig,
@@ -52,6 +54,8 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    kto: KTOConfig = field(default_factory=KTOConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     log: LogConfig = field(default_factory=LogConfig)

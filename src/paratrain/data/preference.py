@@ -135,9 +135,17 @@ def preference_texts(rows: Sequence[Dict[str, Any]], tokenizer: Any, f: Preferen
                 raise DataError(f"{where}: the chat template renders the prompt differently "
                                 "once a response follows it, so the response cannot be told "
                                 "apart; use a template that renders messages in order")
-            texts.append(full[len(prompt_text):])
+            texts.append(_through_eos(full[len(prompt_text):], tokenizer.eos_token))
         out.append((prompt_text, texts[0], texts[1], margin))
     return out, templated
+
+
+def _through_eos(response: str, eos_token: Optional[str]) -> str:
+    """A templated response without the whitespace its template writes after the EOS token
+    (ChatML's "<|im_end|>" then a newline): supervised fine-tuning does not count it either
+    (hf_tokenizer.assistant_spans), and after the last token it predicts nothing."""
+    kept = response.rstrip()
+    return kept if eos_token and kept.endswith(eos_token) else response
 
 
 def _empty(value: Any) -> bool:
@@ -185,16 +193,8 @@ def encode_dpo(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: Preferenc
         if c == r:
             stats.identical += 1
             continue
-        room = max_length - len(prefix) - max(len(c), len(r))  # tokens left for the prompt
-        if room < (0 if prefix else 1):  # the first response token needs one before it
-            stats.dropped += 1
-            continue
-        if len(prompt) > room:
-            prompt = prompt[len(prompt) - room:]  # keep the end, next to the response
-            stats.truncated += 1
-        head = prefix + prompt
-        if not head:  # nothing before the response: its first token cannot be scored
-            stats.dropped += 1
+        head = fit_prompt(prefix, prompt, max(len(c), len(r)), stats)
+        if head is None:
             continue
         pairs.append({"chosen": head + c, "rejected": head + r, "prompt_len": len(head),
                       "margin": margin})
@@ -202,6 +202,25 @@ def encode_dpo(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: Preferenc
         stats.longest = max(stats.longest, len(head) + max(len(c), len(r)))
     stats.check_some_kept()
     return pairs, stats
+
+
+def fit_prompt(prefix: List[int], prompt: List[int], response: int,
+               stats: PairStats) -> Optional[List[int]]:
+    """[BOS] + the prompt's end that fits data.max_length beside the longest response
+    (`response` tokens), or None (counted as dropped) when not even one prompt token does: the
+    first response token needs one before it to be scored."""
+    room = stats.max_length - len(prefix) - response  # tokens left for the prompt
+    if room < (0 if prefix else 1):
+        stats.dropped += 1
+        return None
+    if len(prompt) > room:
+        prompt = prompt[len(prompt) - room:]  # keep the end, next to the response
+        stats.truncated += 1
+    head = prefix + prompt
+    if not head:  # nothing before the response: its first token cannot be scored
+        stats.dropped += 1
+        return None
+    return head
 
 
 def encode_reward(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: PreferenceFields, *,
@@ -251,12 +270,15 @@ def preference_dataset(pairs: Sequence[Pair]) -> RaggedDataset:
 
 
 class PairCollate:
-    """list of pairs -> (2B, T) rows, the B chosen first, right-padded to the longest.
+    """list of pairs -> (2B, T) rows, the B chosen first, right-padded to the longest
+    (`sides`: the two sequence fields of an example, in the order they are stacked).
 
     `shift` (DPO): inputs are each sequence but its last token and `targets` the next tokens
     of the response (IGNORE_INDEX over the prompt and pads); else (a reward model) the whole
     sequences and each pair's `margin` (B,). A class, not a closure: DataLoader workers pickle
     it."""
+
+    sides = ("chosen", "rejected")
 
     def __init__(self, pad_id: int, shift: bool):
         if pad_id is None or pad_id < 0:
@@ -265,14 +287,15 @@ class PairCollate:
         self.pad_id, self.shift = int(pad_id), shift
 
     def __call__(self, batch: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
-        seqs = [p["chosen"] for p in batch] + [p["rejected"] for p in batch]  # 2B of (L_i,)
+        first, second = self.sides
+        seqs = [p[first] for p in batch] + [p[second] for p in batch]  # 2B of (L_i,)
         if self.shift:
             seqs = [s[:-1] for s in seqs]  # the last token is only ever a target
         input_ids, attention_mask = pad_rows(seqs, self.pad_id)  # (2B, T), (2B, T)
         out = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self.shift:  # targets[j] = seq[j + 1], counted from the response's first token
             targets = torch.full_like(input_ids, IGNORE_INDEX)  # (2B, T)
-            full = [p["chosen"] for p in batch] + [p["rejected"] for p in batch]
+            full = [p[first] for p in batch] + [p[second] for p in batch]
             for b, (seq, start) in enumerate(zip(full, [p["prompt_len"] for p in batch] * 2)):
                 targets[b, start - 1:len(seq) - 1] = seq[start:]
             out["targets"] = targets

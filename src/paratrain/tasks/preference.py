@@ -6,7 +6,9 @@ Per pair, with log-probabilities summed over the response tokens only (prompt an
 
     z = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))
     sigmoid: -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z)   (eps: label_smoothing)
-    ipo:     (z - 1 / (2 beta))^2          (summed log-probs here; TRL's ipo averages per token)
+    ipo:     (z' - 1 / (2 beta))^2   z' from log-probs averaged per response token (TRL's form,
+             the one behind the IPO paper's results, its authors confirmed)
+    ipo_sum: (z - 1 / (2 beta))^2    on the summed log-probs (the paper's formula as written)
     hinge:   max(0, 1 - beta z)
 
 The rewards are beta (log pi - log ref) of each response. Chosen and rejected rows go through
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.dataset import IGNORE_INDEX
 from ..formatting import human_count
 from .base import NO_FROZEN, Frozen, MemoryProbe, sequence_logps, to_device
 from .sft import CausalLMTask
@@ -61,7 +64,7 @@ def _sigmoid(z: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
 
 
 def _ipo(z: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
-    return (z - 1 / (2 * beta)) ** 2
+    return (z - 1 / (2 * beta)) ** 2  # z: of per-token means for "ipo", of sums for "ipo_sum"
 
 
 def _hinge(z: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
@@ -69,7 +72,8 @@ def _hinge(z: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
 
 
 DPO_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
-    "sigmoid": _sigmoid, "ipo": _ipo, "hinge": _hinge}  # registry.DPO_LOSSES names them
+    "sigmoid": _sigmoid, "ipo": _ipo, "ipo_sum": _ipo, "hinge": _hinge}  # registry.DPO_LOSSES
+PER_TOKEN_LOSSES = frozenset({"ipo"})  # z from log-ratios divided by each response's tokens
 
 
 class PairTask:
@@ -119,6 +123,7 @@ class DPOTask(PairTask, CausalLMTask):
     def __post_init__(self) -> None:
         self.reference = Reference.of(self.cfg)
         self.pair_loss = DPO_LOSSES[self.cfg.dpo.loss]
+        self.per_token = self.cfg.dpo.loss in PER_TOKEN_LOSSES
 
     @classmethod
     def prepare(cls, cfg: Any, env: Any, records: Any, log: Callable[[str], None]) -> "DPOTask":
@@ -156,8 +161,9 @@ class DPOTask(PairTask, CausalLMTask):
 
     def memory_probe(self) -> Optional[MemoryProbe]:
         """The policy (with its adapters, under LoRA) and the reference it holds, from their
-        configs; a sample is a pair: two rows of the longest sequence."""
-        longest = int(max(self.train_ds.lengths(side).max() for side in ("chosen", "rejected")))
+        configs; a sample is two rows (a pair's; KTO's completion and mismatched sequence) of
+        the longest sequence."""
+        longest = int(max(self.train_ds.lengths(side).max() for side in self.collate.sides))
         reference = self.cfg.dpo.reference or self.cfg.model.path
         held = self.reference in (Reference.COPY, Reference.FOLDER)
         return MemoryProbe(_PairProbe(self.cfg, self.cfg.model.path), longest,
@@ -174,7 +180,8 @@ class DPOTask(PairTask, CausalLMTask):
         policy = sequence_logps(model, batch, amp)  # (2B,)
         B = policy.shape[0] // 2
         ratio = policy - ref  # (2B,) log pi - log ref of every response
-        z = ratio[:B] - ratio[B:]  # (B,)
+        scores = ratio / response_tokens(batch).clamp(min=1) if self.per_token else ratio
+        z = scores[:B] - scores[B:]  # (B,)
         losses = self.pair_loss(z, self.cfg.dpo.beta, self.cfg.dpo.label_smoothing)  # (B,)
         rewards = self.cfg.dpo.beta * ratio.detach()  # (2B,)
         return losses.sum(), B, reward_counts(rewards[:B], rewards[B:])
@@ -238,6 +245,11 @@ class _BothRows(nn.Module):
         return self.model(idx.repeat(2, 1)).logits[:1]  # (1, T, V) of (2, T, V)
 
 
+def response_tokens(batch: dict) -> torch.Tensor:
+    """(N,) each row's counted (response) tokens, as a float for dividing log-probs."""
+    return (batch["targets"] != IGNORE_INDEX).sum(-1).float()
+
+
 def adapters_of(model: nn.Module) -> nn.Module:
     """The peft model inside whatever wraps it (DDP's module; FSDP2 shards it in place)."""
     import peft
@@ -258,8 +270,10 @@ def reward_metrics(counts: dict) -> dict:
     if not n:
         return {}
     chosen, rejected = counts["chosen"] / n, counts["rejected"] / n
+    accuracy = counts["correct"] / n
     return {"rewards/chosen": chosen, "rewards/rejected": rejected,
-            "rewards/margin": chosen - rejected, "accuracy": counts["correct"] / n}
+            "rewards/margin": chosen - rejected, "accuracy": accuracy,
+            "rewards/margins": chosen - rejected, "rewards/accuracies": accuracy}  # TRL's names
 
 
 class PairEncoder(Encoder):

@@ -1,0 +1,291 @@
+"""Sentence-embedding models (`data.format=embedding`): an encoder or a decoder from model.path
+(transformers' AutoModel, no head) whose hidden states are pooled into one vector per text
+(`embedding.pooling`: mean over the real tokens, the first (CLS) token, or the last real token),
+trained as sentence-transformers trains them:
+
+- anchor / positive [/ negative] records: MultipleNegativesRankingLoss. Each anchor's logits are
+  scale x the cosine similarities to every positive and every hard negative of the *global*
+  batch; the loss is the cross-entropy of its own positive. `embedding.symmetric`: also each
+  positive against every anchor, the two averaged (sentence-transformers' directions
+  query_to_doc + doc_to_query, per_direction).
+- text1 / text2 / score records: CosineSimilarityLoss, (cos(u, v) - score)^2.
+
+On N workers each rank embeds its share and the candidates (and, for the symmetric loss, the
+anchors) are gathered from every rank *with their gradients* (`gather`: the backward pass sums
+each rank's gradient into the rank that computed the embedding), so a global batch of B pairs
+sees B - 1 in-batch negatives (plus the hard negatives) whatever the world size, and 1 and N
+workers run the same steps. With gradient accumulation the candidates are those of one
+micro-step of every rank. The loss unit is an anchor (a pair).
+
+Validation reports the loss and, for anchor / positive records, retrieval over each validation
+batch (the rank's own, no gathering, since validation batches differ in size): `val_accuracy`
+(the anchor's positive ranked first among the batch's positives and negatives) and
+`val_mrr@10`. The saved model/ folder is a sentence-transformers folder (the transformers model,
+modules.json, 1_Pooling/, 2_Normalize/ with `embedding.normalize`), which
+`SentenceTransformer(path)` loads and which embeds a text as training did.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, ContextManager, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..config.model_folder import model_config
+from ..errors import ConfigError
+from .base import NO_FROZEN, Frozen, to_device
+from .hf import Encoder, PretrainedTask
+
+POOLINGS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
+            "last": "pooling_mode_lasttoken"}  # sentence-transformers' Pooling keys
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """(N, T, H) hidden states, (N, T) attention mask (right-padded) -> (N, H) embeddings."""
+    if pooling == "cls":
+        return hidden[:, 0]
+    if pooling == "last":
+        last = mask.sum(-1) - 1  # (N,) the last real token
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    m = mask.unsqueeze(-1).to(hidden.dtype)  # (N, T, 1)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """all_gather whose backward sums every rank's gradient of the gathered tensor and hands
+    each rank the rows it contributed (all_reduce: any backend, gloo included)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # (B, H) -> (W B, H)
+        ctx.rank, ctx.rows = dist.get_rank(), x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
+
+
+def gather(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(every rank's rows of x, in rank order, with gradients; this rank's first row there).
+    Every rank must hold as many rows (a global batch split evenly)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x, 0
+    return _GatherWithGrad.apply(x), dist.get_rank() * x.shape[0]
+
+
+def ranking_losses(anchors: torch.Tensor, docs: list[torch.Tensor], scale: float,
+                   symmetric: bool) -> torch.Tensor:
+    """(B,) MultipleNegativesRankingLoss of this rank's anchors (B, H) against `docs` (the
+    positives (B, H), then any hard negatives (B, H)) gathered from every rank."""
+    all_docs, offset = zip(*(gather(d) for d in docs))  # each (W B, H)
+    B = anchors.shape[0]
+    own = torch.arange(offset[0], offset[0] + B, device=anchors.device)  # (B,)
+    logits = scale * _cos(anchors, torch.cat(all_docs))  # (B, k W B)
+    losses = F.cross_entropy(logits, own, reduction="none")  # (B,)
+    if symmetric:  # each positive against every anchor
+        all_anchors, _ = gather(anchors)  # (W B, H)
+        back = scale * _cos(docs[0], all_anchors)  # (B, W B)
+        losses = (losses + F.cross_entropy(back, own, reduction="none")) / 2
+    return losses
+
+
+def cosine_loss(texts: tuple[torch.Tensor, ...], score: torch.Tensor
+                ) -> tuple[torch.Tensor, int, dict]:
+    """CosineSimilarityLoss summed over scored pairs: (cos(u, v) - score)^2, u, v (B, H)."""
+    cos = F.cosine_similarity(texts[0], texts[1], dim=-1)  # (B,)
+    return ((cos - score.float()) ** 2).sum(), cos.shape[0], {}
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(N, H), (M, H) -> (N, M) cosine similarities."""
+    return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
+
+
+@dataclass
+class EmbeddingTask(PretrainedTask):
+    """A pretrained model pooled into text embeddings (module docstring)."""
+    sample_name: ClassVar[str] = "pairs"
+    unit_name: ClassVar[str] = "pairs"
+    perplexity: ClassVar[bool] = False
+    units_per_sample: ClassVar[Optional[int]] = 1  # an anchor (or a scored pair)
+    lora_task_type: ClassVar[str] = "FEATURE_EXTRACTION"
+    auto_class: ClassVar[str] = "AutoModel"
+
+    @classmethod
+    def check_model(cls, cfg: Any) -> None:
+        info = model_config(cfg.model.path)
+        if info.get("is_encoder_decoder"):
+            raise ConfigError(f"model.path={cfg.model.path!r} is an encoder-decoder model "
+                              f"({info.get('model_type', '?')}); data.format=embedding trains "
+                              "an encoder (BERT-like) or a decoder-only model")
+
+    @classmethod
+    def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
+        return _Encode(tokenizer, cfg.max_length, notes)
+
+    @classmethod
+    def dataset(cls, examples: list) -> Any:
+        from ..data.embedding import embedding_dataset
+        return embedding_dataset(examples)
+
+    @property
+    def collate(self) -> Callable[[list], Any]:
+        from ..data.embedding import EmbeddingCollate
+        return EmbeddingCollate(self.tokenizer.pad_token_id)
+
+    def load_pretrained(self) -> nn.Module:
+        from ..models.hf import HFArgs, build_hf
+        return build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer), auto_class="AutoModel"))
+
+    def count_units(self, batch: dict) -> int:
+        return int(batch["input_ids"].shape[0]) // batch["columns"]
+
+    def embed(self, model: nn.Module, batch: dict, amp: ContextManager
+              ) -> tuple[torch.Tensor, ...]:
+        """The batch's texts as k float32 embeddings (B, H): anchors, positives, negatives."""
+        with amp:
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return pool(out.last_hidden_state.float(), batch["attention_mask"],
+                    self.cfg.embedding.pooling).chunk(batch["columns"])
+
+    def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
+                     amp: ContextManager, frozen: Frozen = NO_FROZEN
+                     ) -> tuple[torch.Tensor, int, dict]:
+        """(sum of the anchors' losses, anchors, {}): candidates from every rank."""
+        batch = to_device(batch, device)
+        texts = self.embed(model, batch, amp)
+        if "score" in batch:
+            return cosine_loss(texts, batch["score"])
+        e = self.cfg.embedding
+        losses = ranking_losses(texts[0], list(texts[1:]), e.scale, e.symmetric)
+        return losses.sum(), losses.shape[0], {}
+
+    def eval_counts(self, model: nn.Module, batch: dict, device: torch.device,
+                    amp: ContextManager, frozen: Frozen = NO_FROZEN
+                    ) -> tuple[torch.Tensor, int, dict]:
+        """The loss within this rank's batch (anchors to candidates), and how its anchors rank
+        their positives."""
+        batch = to_device(batch, device)
+        texts = self.embed(model, batch, amp)
+        if "score" in batch:
+            return cosine_loss(texts, batch["score"])
+        scores = _cos(texts[0], torch.cat(texts[1:]))  # (B, k B)
+        B, idx = scores.shape[0], torch.arange(scores.shape[0], device=scores.device)
+        rank = (scores > scores[idx, idx].unsqueeze(1)).sum(1) + 1  # (B,) 1: positive first
+        loss = F.cross_entropy(self.cfg.embedding.scale * scores, idx, reduction="sum")
+        return loss, B, {"top1": (rank == 1).sum().double(),
+                         "rr10": torch.where(rank <= 10, 1.0 / rank, 0.0).sum().double(),
+                         "samples": float(B)}
+
+    def eval_metrics(self, counts: dict) -> dict:
+        n = counts.get("samples", 0.0)
+        if not n:
+            return {}
+        return {"val_accuracy": counts["top1"] / n, "val_mrr@10": counts["rr10"] / n,
+                "val_samples": int(n)}
+
+    def add_files(self, folder: Path) -> None:
+        """The tokenizer (with the pad token it trained with: sentence-transformers pads) and,
+        beside a model's weights (not an adapter's), sentence-transformers' files."""
+        from ..models.hf import make_portable
+        self.tokenizer.save_pretrained(folder)
+        make_portable(folder)
+        if (folder / "config.json").is_file():
+            write_sentence_transformers_files(folder, self.cfg, _hidden_size(folder))
+
+    def describe(self, n_params: int) -> str:
+        e = self.cfg.embedding
+        return (f"embedding model ({e.pooling} pooling, scale {e.scale}"
+                f"{', symmetric' if e.symmetric else ''}): " + super().describe(n_params))
+
+    @property
+    def model_info(self) -> dict:
+        return {**super().model_info, "objective": "embedding"}
+
+
+def _hidden_size(folder: Path) -> int:
+    config = json.loads((folder / "config.json").read_text())
+    return int(config.get("hidden_size") or config.get("d_model") or config["n_embd"])
+
+
+def write_sentence_transformers_files(folder: Path, cfg: Any, hidden: int) -> None:
+    """modules.json (Transformer, Pooling[, Normalize]), 1_Pooling/config.json,
+    sentence_bert_config.json: what `SentenceTransformer(folder)` reads."""
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if cfg.embedding.normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        (folder / "2_Normalize").mkdir(exist_ok=True)
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": hidden, "include_prompt": True,
+               **{key: mode == cfg.embedding.pooling for mode, key in POOLINGS.items()}}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+    (folder / "sentence_bert_config.json").write_text(json.dumps(
+        {"max_seq_length": cfg.max_length, "do_lower_case": False}, indent=2))
+
+
+class _Encode(Encoder):
+    def __init__(self, tokenizer: Any, max_length: int, notes: list):
+        self.tokenizer, self.max_length, self.notes = tokenizer, max_length, notes
+
+    def __call__(self, rows: list, source_name: str) -> list:
+        from ..data.embedding import encode_embedding
+        examples, note = encode_embedding(rows, self.tokenizer, max_length=self.max_length,
+                                          source_name=source_name)
+        self.notes.append(note)
+        return examples
+
+
+def load_embedder(folder: Path) -> tuple[nn.Module, str]:
+    """(the transformers model of a saved embedding folder, in eval mode on the CPU, its pooling
+    from 1_Pooling/config.json)."""
+    import transformers
+    model = transformers.AutoModel.from_pretrained(folder, local_files_only=True,
+                                                   use_safetensors=True).eval()
+    config = json.loads((Path(folder) / "1_Pooling" / "config.json").read_text())
+    return model, next(m for m, key in POOLINGS.items() if config.get(key))
+
+
+@torch.no_grad()
+def embed_folder(model: nn.Module, pooling: str, texts: list, pad_id: int,
+                 batch: int = 32) -> torch.Tensor:
+    """(N, H) float32 embeddings of token-id lists, `batch` at a time, right-padded."""
+    from ..data.ragged import pad_rows
+    out = []
+    for start in range(0, len(texts), batch):
+        ids, mask = pad_rows([torch.as_tensor(t) for t in texts[start:start + batch]], pad_id)
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        out.append(pool(hidden, mask, pooling))
+    return torch.cat(out)
+
+
+def generate_embedding(model_dir: Path, prompt: str, opts: Any) -> str:
+    """`paratrain generate` on an embedding model's run: the prompt's embedding (JSON), as
+    sentence-transformers computes it from the saved folder (pooling and normalization)."""
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model, pooling = load_embedder(Path(model_dir))
+    ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise ConfigError("--prompt encodes to no tokens; give some text")
+    vector = embed_folder(model, pooling, [ids], tokenizer.pad_token_id)[0]
+    if (Path(model_dir) / "2_Normalize").is_dir():
+        vector = F.normalize(vector, dim=-1)
+    print(f"paratrain: {opts.run_dir} is an embedding model: it prints the embedding of "
+          f"--prompt ({vector.numel()} numbers) instead of continuing it", file=sys.stderr)
+    return json.dumps([round(float(v), 6) for v in vector])

@@ -1,0 +1,159 @@
+"""Parity with TRL 1.16 on the same batch: paratrain's tasks (prepared from a config as a run
+prepares them) and TRL's own trainers (`compute_loss`, driven on the same model, reference and
+token ids), step after step while the policy trains. Skipped without the `trl` package."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytestmark = [pytest.mark.slow]  # TRL's trainers are built (seconds each)
+from torch.nn.utils.rnn import pad_sequence  # noqa: E402
+
+from paratrain.config import TrainConfig  # noqa: E402
+from paratrain.dist import DistEnv  # noqa: E402
+from paratrain.runtime.rank import prepare_task  # noqa: E402
+from tests.conftest import make_hf_llama  # noqa: E402
+
+WORDS = "the red cat sees a dog a small bird runs near the tree eats sits".split()
+CPU, AMP = torch.device("cpu"), contextlib.nullcontext()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return make_hf_llama(tmp_path_factory.mktemp("trl") / "m", [" ".join(WORDS)] * 20,
+                         vocab_size=300)
+
+
+def _phrase(rnd: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rnd.choices(WORDS, k=rnd.randint(lo, hi)))
+
+
+def preference_rows(n: int, seed: int = 0) -> list[dict]:
+    rnd = random.Random(seed)
+    return [{"prompt": _phrase(rnd, 2, 6), "chosen": " " + _phrase(rnd, 1, 5),
+             "rejected": " " + _phrase(rnd, 1, 7)} for _ in range(n)]
+
+
+def prepared(model_dir: Path, tmp_path: Path, rows: list[dict], *overrides: str):
+    """(the task a run prepares, its policy, its frozen models), the policy nudged off the
+    reference so that the log-ratios are not all zero."""
+    source = tmp_path / "train.jsonl"
+    source.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = TrainConfig.from_yaml(None, [
+        "model.arch=hf", f"model.path={model_dir}", f"data.source={source}",
+        "data.val_fraction=0", f"run.dir={tmp_path / 'run'}", *overrides])
+    task = prepare_task(cfg, DistEnv.single("cpu"), quiet=True)
+    model, frozen = task.build_model(), task.build_frozen()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return task, model, frozen
+
+
+def padded(rows: list[list[int]], starts: list[int], pad_id: int) -> dict:
+    """TRL's batch of whole sequences: input_ids, attention_mask, completion_mask (1 from each
+    row's completion start), right-padded as its collators pad."""
+    return {"input_ids": pad_sequence([torch.as_tensor(r) for r in rows], batch_first=True,
+                                      padding_value=pad_id),
+            "attention_mask": pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows],
+                                           batch_first=True),
+            "completion_mask": pad_sequence([torch.tensor([0] * s + [1] * (len(r) - s))
+                                             for r, s in zip(rows, starts)], batch_first=True)}
+
+
+def trl_args(config_class, tmp_path: Path, **kw):
+    """TRL's config in float32 (its default, bf16=True, would run the reference under bf16
+    autocast, which paratrain's fp32 run does not)."""
+    return config_class(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True,
+                        bf16=False, logging_strategy="no", save_strategy="no", **kw)
+
+
+def _train_in_step(model, loss, lr: float = 0.05) -> None:
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.sub_(lr * p.grad)
+                p.grad = None
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "sigmoid"])
+def test_dpo_losses_equal_trls_step_after_step(llama, tmp_path, loss_type):
+    """dpo.loss=ipo is TRL's IPO (log-probs averaged per response token); sigmoid as before.
+    Four steps of 4 pairs, the policy trained by paratrain's loss in between: each step's loss
+    equals TRL's DPOTrainer.compute_loss on the same pairs within 1e-5, and the rewards and
+    accuracy are logged under TRL's names too."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+    rows = preference_rows(16)
+    task, model, frozen = prepared(llama, tmp_path, rows, "data.format=preference",
+                                   f"dpo.loss={loss_type}", "dpo.beta=0.3")
+    trainer = DPOTrainer(model=model, ref_model=frozen["reference"],
+                         args=trl_args(DPOConfig, tmp_path, loss_type=[loss_type], beta=0.3),
+                         train_dataset=Dataset.from_list(rows), processing_class=task.tokenizer)
+    pad = task.tokenizer.pad_token_id
+    model.train()  # as the loop has it (TRL files its figures under "train" then)
+    for step in range(4):
+        pairs = [task.train_ds[i] for i in range(4 * step, 4 * step + 4)]
+        s, n, counts = task.train_counts(model, task.collate(pairs), CPU, AMP, frozen)
+        ours = s / n
+        theirs = trainer.compute_loss(model, padded(
+            [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
+            [p["prompt_len"] for p in pairs] * 2, pad))
+        assert abs(ours.item() - theirs.item()) <= 1e-5, (step, ours.item(), theirs.item())
+        _train_in_step(model, ours)
+    figures = task.train_metrics({k: float(v) for k, v in counts.items()})
+    theirs = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert figures[name] == pytest.approx(theirs[name], abs=1e-5), name
+
+
+def kto_rows(n: int, seed: int = 2) -> list[dict]:
+    rnd = random.Random(seed)
+    return [{"prompt": _phrase(rnd, 2, 6), "completion": " " + _phrase(rnd, 1, 6),
+             "label": rnd.random() < 0.6} for _ in range(n)]
+
+
+def test_kto_loss_equals_trls_over_16_steps(llama, tmp_path):
+    """trainer.objective=kto on unpaired records, unequal weights: 16 steps of 4 examples
+    (mismatched sequences made by paratrain, scored by both), each step's loss equal to TRL's
+    KTOTrainer.compute_loss within 1e-5, the policy trained by paratrain's loss in between;
+    the rewards and the KL estimate logged under TRL's names, with its values."""
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+    rows = kto_rows(64)
+    task, model, frozen = prepared(llama, tmp_path, rows, "data.format=preference",
+                                   "trainer.objective=kto", "kto.beta=0.2",
+                                   "kto.desirable_weight=1.0", "kto.undesirable_weight=1.3")
+    args = trl_args(KTOConfig, tmp_path, beta=0.2, desirable_weight=1.0, undesirable_weight=1.3,
+                    per_device_train_batch_size=4)
+    trainer = KTOTrainer(model=model, ref_model=frozen["reference"], args=args,
+                         train_dataset=Dataset.from_list(rows), processing_class=task.tokenizer)
+    pad, worst = task.tokenizer.pad_token_id, 0.0
+    model.train()
+    for step in range(16):
+        examples = [task.train_ds[i] for i in range(4 * step, 4 * step + 4)]
+        s, n, counts = task.train_counts(model, task.collate(examples), CPU, AMP, frozen)
+        starts = [ex["prompt_len"] for ex in examples]
+        inputs = padded([ex["completion"] for ex in examples], starts, pad)
+        inputs.update({f"KL_{k}": v for k, v in padded(
+            [ex["mismatched"] for ex in examples], starts, pad).items()})
+        inputs["label"] = torch.tensor([bool(ex["label"]) for ex in examples])
+        theirs = trainer.compute_loss(model, inputs)
+        worst = max(worst, abs((s / n).item() - theirs.item()))
+        assert worst <= 1e-5, (step, (s / n).item(), theirs.item())
+        _train_in_step(model, s / n)
+    figures = task.train_metrics({k: float(v) for k, v in counts.items()})
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    for name in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+        if name in logged:
+            assert figures[name] == pytest.approx(logged[name], abs=1e-5), name
+    assert figures["kl"] >= 0
