@@ -42,7 +42,7 @@ class ClassifyTask(PretrainedTask):
 
     @classmethod
     def encoder(cls, cfg: TrainConfig, tokenizer: Any, notes: list) -> Encoder:
-        return _EncodeLabelled(cfg, tokenizer, notes)
+        return EncodeLabelled(cfg, tokenizer, notes)
 
     @classmethod
     def recorded_fields(cls, model_info: dict) -> dict:
@@ -96,7 +96,7 @@ class ClassifyTask(PretrainedTask):
         return {**super().model_info, "labels": list(self.label_names)}
 
 
-class _EncodeLabelled(Encoder):
+class EncodeLabelled(Encoder):
     """Texts and their labels; label ids come from the training rows (sorted names), and the
     validation rows are encoded with the same ids."""
 

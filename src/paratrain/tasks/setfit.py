@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import ConfigError
-from .classify import _EncodeLabelled
+from .classify import EncodeLabelled
 from .embedding import EmbeddingTask, embed_folder, load_embedder
 from .hf import Encoder
 
@@ -50,7 +50,7 @@ def draw_pairs(examples: Sequence[dict], rounds: int, seed: int) -> list[dict]:
     return pairs
 
 
-class _EncodePairs(_EncodeLabelled):
+class _EncodePairs(EncodeLabelled):
     """Labelled texts (classify's encoder) -> scored pairs; keeps the training texts for the
     head."""
 
