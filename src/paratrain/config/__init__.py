@@ -16,11 +16,12 @@ from .sections import (
     ModelConfig,
     OptimConfig,
     PlanConfig,
+    RLConfig,
     RunConfig,
     TrainerConfig,
 )
 from .tree import TrainConfig
 
 __all__ = ["CheckpointConfig", "DataConfig", "DistributedConfig", "DPOConfig", "LogConfig",
-           "LoraConfig", "ModelConfig", "OptimConfig", "PlanConfig", "RunConfig", "TrainConfig",
+           "LoraConfig", "ModelConfig", "OptimConfig", "PlanConfig", "RLConfig", "RunConfig", "TrainConfig",
            "TrainerConfig"]

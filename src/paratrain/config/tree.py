@@ -33,6 +33,7 @@ from .sections import (
     ModelConfig,
     OptimConfig,
     PlanConfig,
+    RLConfig,
     RunConfig,
     TrainerConfig,
 )
@@ -56,6 +57,7 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     log: LogConfig = field(default_factory=LogConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

@@ -1,0 +1,51 @@
+"""What the `rl` section (online RL, tasks/grpo.py) may hold, checked when a config is built,
+torch-free: one line naming the key and a value that works. Whether each reward function can be
+imported is checked by the task before any worker starts (importing may need torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError, check_choice
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")  # TRL 1.16 GRPOConfig.loss_type values we have
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def check_rl(cfg: Any) -> None:
+    """rl.*: at least one reward, known loss and scaling names, sampling options in range."""
+    r = cfg.rl
+    if not r.reward_functions:
+        raise ConfigError("trainer.objective=grpo needs a reward: rl.reward_functions="
+                          "[module:function] (f(prompts, completions) -> list[float]), or "
+                          "Trainer(reward_functions=[f])")
+    for name in r.reward_functions:
+        module, _, attr = str(name).partition(":")
+        if not (module and attr):
+            raise ConfigError(f"rl.reward_functions: {name!r} is not module:function, e.g. "
+                              "my_rewards:length_reward")
+    if r.reward_weights is not None and len(r.reward_weights) != len(r.reward_functions):
+        raise ConfigError(f"rl.reward_weights has {len(r.reward_weights)} weights for "
+                          f"{len(r.reward_functions)} reward functions; give one each, or null")
+    if not cfg.data.drop_last:
+        raise ConfigError("trainer.objective=grpo trains on whole groups of prompts: leave "
+                          "data.drop_last=true")
+    check_choice("rl.loss_type", r.loss_type, LOSS_TYPES)
+    check_choice("rl.scale_rewards", r.scale_rewards, SCALE_REWARDS)
+    bounds = [("rl.num_generations", r.num_generations >= 2, "at least 2 (a group's mean is the "
+               "baseline)"),
+              ("rl.max_new_tokens", r.max_new_tokens >= 1, "at least 1"),
+              ("rl.temperature", r.temperature > 0, "positive"),
+              ("rl.top_p", 0 < r.top_p <= 1, "in (0, 1]"),
+              ("rl.top_k", r.top_k >= 0, "0 (off) or more"),
+              ("rl.beta", r.beta >= 0, "0 or more"),
+              ("rl.epsilon", r.epsilon > 0, "positive"),
+              ("rl.epsilon_high", r.epsilon_high is None or r.epsilon_high > 0, "positive"),
+              ("rl.num_iterations", r.num_iterations >= 1, "at least 1")]
+    for key, ok, what in bounds:
+        if not ok:
+            raise ConfigError(f"{key}={_value(cfg, key)} must be {what}")
+
+
+def _value(cfg: Any, key: str) -> Any:
+    return getattr(cfg.rl, key.split(".", 1)[1])
