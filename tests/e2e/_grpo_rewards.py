@@ -20,3 +20,14 @@ def too_few(prompts: list, completions: list[str]) -> list[float]:
 
 def not_a_number(prompts: list, completions: list[str]) -> list[float]:
     return [float("nan")] * len(completions)
+
+
+CALLS = {"fails_third": 0}
+
+
+def fails_third(prompts: list, completions: list[str]) -> list[float]:
+    """Scores two steps (one call each), then raises: a reward that breaks mid-run."""
+    CALLS["fails_third"] += 1
+    if CALLS["fails_third"] >= 3:
+        raise RuntimeError("the grader is down")
+    return digits(prompts, completions)
