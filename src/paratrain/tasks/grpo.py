@@ -42,6 +42,7 @@ class GRPOTask(CausalLMTask):
     units_per_sample: ClassVar[Optional[int]] = None  # completion tokens vary: counted per step
     rewards: Optional[Rewards] = None
     _cached: list = field(default_factory=list)  # rl.num_iterations: the batch trained again
+    _all_done: Callable[[bool], bool] = bool  # when generation may stop (`_lockstep`)
 
     def __post_init__(self) -> None:
         rl = self.cfg.rl
@@ -94,6 +95,7 @@ class GRPOTask(CausalLMTask):
         (None stays None), and this rank's figures of them (summed by the loop like the loss)."""
         if self._cached and step % self.cfg.rl.num_iterations:
             return self._cached, _zero(self._figures)
+        self._all_done = _lockstep(model, env)
         t0 = time.perf_counter()
         batches = [self._sample(model, mb, step, env.device, amp) if mb is not None else None
                    for mb in micro]
@@ -118,7 +120,8 @@ class GRPOTask(CausalLMTask):
         gens = [prompt_generator(seed, step, int(i)) for i in mb["index"]]
         G = self.cfg.rl.num_generations
         completion, mask = sample_completions(unwrapped(model), prompt_ids, prompt_mask, gens, G,
-                                              self.sampling, self.eos, self.collate.pad_id, amp)
+                                              self.sampling, self.eos, self.collate.pad_id, amp,
+                                              self._all_done)
         return {"prompt_ids": prompt_ids.repeat_interleave(G, 0),
                 "prompt_mask": prompt_mask.repeat_interleave(G, 0),
                 "completion_ids": completion, "completion_mask": mask,
@@ -255,6 +258,15 @@ class GRPOTask(CausalLMTask):
     @property
     def model_info(self) -> dict:
         return {**super().model_info, "objective": "grpo"}
+
+
+def _lockstep(model: nn.Module, env: Any) -> Callable[[bool], bool]:
+    """When this rank may stop sampling: when it is done, unless the model is sharded (FSDP /
+    HSDP gather each block's weights in every forward): then when every rank is done."""
+    from torch.distributed.fsdp import FSDPModule
+    if not (env.distributed and any(isinstance(m, FSDPModule) for m in model.modules())):
+        return bool
+    return lambda done: env.max_over_ranks(0.0 if done else 1.0) == 0.0
 
 
 def _zero(figures: dict) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ContextManager, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -57,24 +57,27 @@ def unwrapped(model: nn.Module) -> nn.Module:
 @torch.no_grad()
 def sample_completions(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                        generators: Sequence[torch.Generator], group: int, how: Sampling,
-                       eos_id: int, pad_id: int, amp: ContextManager = contextlib.nullcontext()
+                       eos_id: int, pad_id: int, amp: ContextManager = contextlib.nullcontext(),
+                       all_done: Callable[[bool], bool] = bool
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """`group` completions of each prompt: prompt_ids / prompt_mask (B, P), left-padded; one
     generator per prompt. Returns completion_ids (B*G, C), right-padded with pad_id after EOS,
     and completion_mask (B*G, C): 1 up to and including EOS. Row b*G + j is prompt b's
-    completion j."""
+    completion j. `all_done`: whether every rank is done, given this rank's answer; a sharded
+    model (FSDP) gathers its weights in each forward, so its ranks stop together."""
     was_training = model.training
     model.eval()  # no dropout while sampling
     try:
         return _sample(model, prompt_ids, prompt_mask, generators, group, how, eos_id, pad_id,
-                       amp)
+                       amp, all_done)
     finally:
         model.train(was_training)
 
 
 def _sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
             generators: Sequence[torch.Generator], group: int, how: Sampling, eos_id: int,
-            pad_id: int, amp: ContextManager) -> tuple[torch.Tensor, torch.Tensor]:
+            pad_id: int, amp: ContextManager, all_done: Callable[[bool], bool]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     ids = prompt_ids.repeat_interleave(group, dim=0)  # (N, P), N = B*G
     mask = prompt_mask.repeat_interleave(group, dim=0)  # (N, P)
     N, dev = ids.shape[0], ids.device
@@ -93,7 +96,7 @@ def _sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
         token = token.masked_fill(done, pad_id)
         out.append(token)
         done = done | (token == eos_id)
-        if bool(done.all()):
+        if all_done(bool(done.all())):
             break
         step_ids = token[:, None]  # (N, 1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (N, T+1)
