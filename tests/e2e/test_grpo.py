@@ -1,9 +1,10 @@
 """GRPO end to end and offline (data.format=prompts, trainer.objective=grpo): a tiny random Llama
 built here, 64 prompt records and a rule reward (the share of digits in a completion,
 tests/e2e/_grpo_rewards.py). One real 2-worker run of 30 steps raises the mean reward
-measurably; one process gives the same first 5 steps (the same completions, as their rewards
-show to 1e-12, and losses within 1e-5); a reward function that breaks mid-run stops the run in
-one line with its snapshots kept, and the same command resumes from them."""
+measurably; one process and 2 FSDP workers give the same first 5 steps (the same completions,
+as their rewards show to 1e-12, and losses within 1e-5); a reward function that breaks mid-run
+stops the run in one line with its snapshots kept, and the same command resumes from them to
+the same final weights, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import (
     REPO,
@@ -47,7 +49,8 @@ def grpo_args(setup: tuple[Path, Path], run_dir: Path, **extra) -> list[str]:
             "rl.reward_functions": f"[{REWARD}]", "rl.num_generations": 4,
             "rl.max_new_tokens": 16, "trainer.global_batch_size": 4, "trainer.log_every": 1,
             "optim.lr": 3e-3, "optim.warmup_steps": 0, "optim.schedule": "constant",
-            "trainer.progress_bar": False, "run.dir": run_dir, **extra}
+            "trainer.progress_bar": False, "log.report": False, "log.tensorboard": False,
+            "run.dir": run_dir, **extra}
     return ["train"] + [f"{k}={v}" for k, v in base.items()]
 
 
@@ -79,28 +82,49 @@ def test_grpo_raises_the_reward(two_workers):
     assert two_workers[-1]["completions/max_length"] <= 16
 
 
-@pytest.mark.slow
-def test_one_worker_samples_and_learns_the_same(capsys, tmp_path, setup, two_workers):
-    """One process, the first 5 steps: the same completions (their rewards equal to 1e-12) and
-    the same losses (1e-5) as 2 workers."""
-    r = cli_run(capsys, grpo_args(setup, tmp_path / "one", **{"trainer.devices": "cpu",
-                                                              "trainer.batch_size": 4,
-                                                              "trainer.max_steps": 5}))
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory, setup) -> Path:
+    """The first 5 steps in one process."""
+    tmp = tmp_path_factory.mktemp("grpo-one")
+    r = run_cli(grpo_args(setup, tmp / "run", **{"trainer.devices": "cpu",
+                                                 "trainer.batch_size": 4,
+                                                 "trainer.max_steps": 5}), cwd=tmp, timeout=300,
+                env=cli_env({"PYTHONPATH": str(REPO)}))
     assert r.returncode == 0, r.stderr[-3000:]
-    one = read_metrics(tmp_path / "one")
-    for a, b in zip(one, two_workers[:5]):
-        assert abs(a["reward"] - b["reward"]) <= 1e-12, (a, b)
-        assert a["completions/mean_length"] == b["completions/mean_length"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
+    return tmp / "run"
 
 
-def test_a_reward_function_that_breaks_stops_the_run_in_one_line(capsys, tmp_path, setup):
+@pytest.mark.slow
+def test_one_worker_and_fsdp_sample_and_learn_the_same(tmp_path, setup, one_worker,
+                                                       two_workers):
+    """One process, 2 DDP workers and 2 FSDP workers, the first 5 steps: the same completions
+    (their rewards equal to 1e-12, their lengths exactly) and the same losses (1e-5)."""
+    r = run_cli(grpo_args(setup, tmp_path / "fsdp", **{
+        "trainer.devices": "cpu:2", "trainer.strategy": "fsdp", "trainer.batch_size": 2,
+        "trainer.max_steps": 5}), cwd=tmp_path, timeout=300,
+        env=cli_env({"PYTHONPATH": str(REPO)}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = read_metrics(one_worker)
+    for other in (two_workers[:5], read_metrics(tmp_path / "fsdp")):
+        assert len(other) == len(one) == 5
+        for a, b in zip(one, other):
+            assert abs(a["reward"] - b["reward"]) <= 1e-12, (a, b)
+            assert a["completions/mean_length"] == b["completions/mean_length"]
+            assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_breaks_stops_the_run_in_one_line(capsys, tmp_path, setup,
+                                                                 one_worker):
     """It names the function and the error, exits 2, and the snapshots of the steps before it
-    stay committed: the same command resumes from the last one."""
+    stay committed: the same command resumes from the last one and ends with the weights of the
+    run that never stopped, bit for bit."""
+    from safetensors.torch import load_file
+
     from tests.e2e import _grpo_rewards
     _grpo_rewards.CALLS["fails_third"] = 0
     args = grpo_args(setup, tmp_path / "run", **{
-        "trainer.devices": "cpu", "trainer.batch_size": 4, "trainer.max_steps": 4,
+        "trainer.devices": "cpu", "trainer.batch_size": 4, "trainer.max_steps": 5,
         "rl.reward_functions": "[tests.e2e._grpo_rewards:fails_third]",
         "checkpoint.every_steps": 1})
     line, err = cli_refusal(capsys, args)
@@ -108,6 +132,12 @@ def test_a_reward_function_that_breaks_stops_the_run_in_one_line(capsys, tmp_pat
                     "raised RuntimeError: the grader is down"), err
     snapshots = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert snapshots == ["step-0000001", "step-0000002"], snapshots
-    _grpo_rewards.CALLS["fails_third"] = 0  # the grader is back (for two calls)
-    _, err = cli_refusal(capsys, args)
-    assert "step-0000002" in err and "resum" in err, err
+    assert not (tmp_path / "run" / "model").exists()
+    _grpo_rewards.CALLS["fails_third"] = -100  # the grader is back
+    r = cli_run(capsys, args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step-0000002" in r.stderr, r.stderr
+    resumed = load_file(tmp_path / "run" / "model" / "model.safetensors")
+    straight = load_file(one_worker / "model" / "model.safetensors")
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
