@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -33,8 +35,11 @@ def reward_name(fn: Callable) -> str:
 
 
 def load_reward(name: str) -> RewardFn:
-    """The function of `module:function`, or one ConfigError line saying why not."""
+    """The function of `module:function`, or one ConfigError line saying why not. A module
+    next to the command is found as `python -m` finds it (the console script would not)."""
     module, _, attr = name.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
