@@ -146,3 +146,30 @@ def test_a_reward_function_that_breaks_stops_the_run_in_one_line(capsys, tmp_pat
     straight = load_file(one_worker / "model" / "model.safetensors")
     assert resumed.keys() == straight.keys()
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+@pytest.mark.slow
+def test_a_reward_model_folder_scores_beside_a_function(capsys, tmp_path, setup):
+    """rl.reward_models: a one-label sequence-classification folder (the layout a reward run's
+    model/ has: its weights, pad id and tokenizer) runs frozen beside the policy; the reward is
+    the weighted sum of the function's and the model's scores, each logged under its name."""
+    import shutil
+
+    import transformers
+    folder = tmp_path / "my-rm" / "model"
+    tok = transformers.AutoTokenizer.from_pretrained(setup / "my-model")
+    config = transformers.AutoConfig.from_pretrained(setup / "my-model", num_labels=1,
+                                                     pad_token_id=tok.eos_token_id)
+    torch.manual_seed(1)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(folder)
+    for f in (setup / "my-model").glob("tokenizer*"):
+        shutil.copy(f, folder / f.name)
+    r = cli_run(capsys, grpo_args(setup, tmp_path / "run", **{
+        "trainer.devices": "cpu", "trainer.batch_size": 4, "trainer.max_steps": 2,
+        "trainer.log_every": 1, "rl.reward_functions": "[tests.e2e._grpo_rewards:digits]",
+        "rl.reward_models": f"[{folder}]", "rl.reward_weights": "[1.0,0.5]"}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    for m in read_metrics(tmp_path / "run"):
+        fn, rm = m["rewards/digits/mean"], m["rewards/my-rm/mean"]
+        assert abs(m["reward"] - (fn + 0.5 * rm)) <= 1e-9, m
+        assert rm != 0.0 and m["rewards/my-rm/std"] > 0

@@ -141,7 +141,7 @@ def test_a_failing_reward_function_names_itself(fn, says):
     (["rl.reward_functions=[nomodule]"], "rl.reward_functions: 'nomodule' is not "
                                          "module:function"),
     (["rl.reward_functions=[a:b]", "rl.reward_weights=[1,2]"], "rl.reward_weights has 2 "
-                                                               "weights for 1 reward functions"),
+                                                               "weights for 1 rewards"),
     (["rl.reward_functions=[a:b]", "rl.loss_type=sapo"], "rl.loss_type='sapo' is not one of: "
                                                          "dapo, grpo, dr_grpo, bnpo"),
     (["rl.reward_functions=[a:b]", "rl.num_generations=1"], "rl.num_generations=1 must be at "

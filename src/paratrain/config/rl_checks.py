@@ -4,6 +4,7 @@ imported is checked by the task before any worker starts (importing may need tor
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, check_choice
@@ -15,18 +16,25 @@ SCALE_REWARDS = ("group", "batch", "none")
 def check_rl(cfg: Any) -> None:
     """rl.*: at least one reward, known loss and scaling names, sampling options in range."""
     r = cfg.rl
-    if not r.reward_functions:
+    if not (r.reward_functions or r.reward_models):
         raise ConfigError("trainer.objective=grpo needs a reward: rl.reward_functions="
-                          "[module:function] (f(prompts, completions) -> list[float]), or "
-                          "Trainer(reward_functions=[f])")
+                          "[module:function] (f(prompts, completions) -> list[float]), "
+                          "Trainer(reward_functions=[f]), or rl.reward_models=[DIR]")
+    for folder in r.reward_models:
+        if not (Path(str(folder)).expanduser() / "config.json").is_file():
+            raise ConfigError(f"rl.reward_models: {folder!r} is not a model folder with a "
+                              "config.json; give a reward model's folder (a reward run's "
+                              "model/)")
     for name in r.reward_functions:
         module, _, attr = str(name).partition(":")
         if not (module and attr):
             raise ConfigError(f"rl.reward_functions: {name!r} is not module:function, e.g. "
                               "my_rewards:length_reward")
-    if r.reward_weights is not None and len(r.reward_weights) != len(r.reward_functions):
-        raise ConfigError(f"rl.reward_weights has {len(r.reward_weights)} weights for "
-                          f"{len(r.reward_functions)} reward functions; give one each, or null")
+    n = len(r.reward_functions) + len(r.reward_models)
+    if r.reward_weights is not None and len(r.reward_weights) != n:
+        raise ConfigError(f"rl.reward_weights has {len(r.reward_weights)} weights for {n} "
+                          "rewards (rl.reward_functions, then rl.reward_models); give one each, "
+                          "or null")
     if not cfg.data.drop_last:
         raise ConfigError("trainer.objective=grpo trains on whole groups of prompts: leave "
                           "data.drop_last=true")

@@ -379,8 +379,13 @@ class RLConfig:
     reward_functions: List[str] = field(default_factory=list)
     """`module:function` names of reward functions `f(prompts, completions) -> list[float]`,
     one score per completion; the Python API also takes the functions themselves."""
+    reward_models: List[str] = field(default_factory=list)
+    """Reward model folders (what trainer.objective=reward writes to model/, or any one-label
+    sequence-classification model): each scores prompt + completion, frozen and sharded like
+    the policy."""
     reward_weights: Optional[List[float]] = None
-    """One weight per reward function; the reward is their weighted sum. null: all 1.0."""
+    """One weight per reward function, then per reward model; the reward is their weighted
+    sum. null: all 1.0."""
     num_generations: int = 8
     """Completions sampled per prompt (a group: advantages are relative to its mean)."""
     max_new_tokens: int = 512

@@ -29,7 +29,7 @@ from ..formatting import human_count
 from .base import NO_FROZEN, Frozen, to_device
 from .grpo_loss import LossOptions, clip_counts, loss_units, reduce_loss, token_terms
 from .hf import Encoder
-from .rewards import Rewards, group_advantages, short_name
+from .rewards import Rewards, group_advantages
 from .rollout import Sampling, completion_logps, prompt_generator, sample_completions, unwrapped
 from .sft import CausalLMTask
 
@@ -81,12 +81,16 @@ class GRPOTask(CausalLMTask):
         return eos_id(self.tokenizer)
 
     def build_frozen(self) -> dict[str, nn.Module]:
-        """The reference, when rl.beta > 0 and no LoRA (whose adapters switch off instead)."""
-        if self.cfg.rl.beta == 0.0 or self.lora:
-            return {}
-        from ..models.hf import HFArgs, build_hf
-        torch.manual_seed(self.cfg.trainer.seed)
-        return {"reference": build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer)))}
+        """The reward models (rl.reward_models), and the reference when rl.beta > 0 and no LoRA
+        (whose adapters switch off instead)."""
+        from .reward_models import load_reward_model, reward_model_key
+        frozen = {reward_model_key(i): load_reward_model(folder)
+                  for i, folder in enumerate(self.cfg.rl.reward_models)}
+        if self.cfg.rl.beta != 0.0 and not self.lora:
+            from ..models.hf import HFArgs, build_hf
+            torch.manual_seed(self.cfg.trainer.seed)
+            frozen["reference"] = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer)))
+        return frozen
 
     # ---- a step's completions -------------------------------------------------------------
     def rollout(self, model: nn.Module, micro: list, step: int, env: Any, amp: ContextManager,
@@ -100,7 +104,8 @@ class GRPOTask(CausalLMTask):
         batches = [self._sample(model, mb, step, env.device, amp) if mb is not None else None
                    for mb in micro]
         t1 = time.perf_counter()
-        scored = [self._score(b) if b is not None else None for b in batches]
+        scored = [self._score(b, frozen, env.device, amp) if b is not None else None
+                  for b in batches]
         t2 = time.perf_counter()
         batch_std = self._batch_std(env, scored) if self.cfg.rl.scale_rewards == "batch" else None
         out = [self._finish(model, b, s, amp, frozen, batch_std) if b is not None else None
@@ -127,11 +132,12 @@ class GRPOTask(CausalLMTask):
                 "completion_ids": completion, "completion_mask": mask,
                 "prompts": [p for p in mb["prompts"] for _ in range(G)]}
 
-    def _score(self, b: dict) -> torch.Tensor:
-        """(N, F) each reward function's score of each completion."""
+    def _score(self, b: dict, frozen: Frozen, device: torch.device, amp: ContextManager
+               ) -> torch.Tensor:
+        """(N, F) each reward's score of each completion."""
         ids = b["completion_ids"].masked_fill(b["completion_mask"] == 0, self.collate.pad_id)
         texts = self.tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
-        return self.rewards.score(b["prompts"], texts)
+        return self.rewards.score(b["prompts"], texts, frozen, device, amp)
 
     def _batch_std(self, env: Any, scored: list) -> float:
         """rl.scale_rewards=batch: the std of every reward of the step, over all ranks."""
@@ -184,7 +190,7 @@ class GRPOTask(CausalLMTask):
         scored; the "loss" is minus their mean reward (so the best evaluation is the highest
         reward), val_reward its opposite."""
         b = self._sample(model, batch, -1, device, amp)
-        total = self.rewards.total(self._score(b))  # (N,)
+        total = self.rewards.total(self._score(b, frozen, device, amp))  # (N,)
         return -total.sum(), int(total.numel()), {"reward": float(total.sum()),
                                                   "completions": float(total.numel())}
 
@@ -220,7 +226,7 @@ class GRPOTask(CausalLMTask):
     def _rollout_figures(self, env: Any, scored: list, batches: list) -> dict:
         """Sums of this rank's rewards and lengths; the step's shortest and longest completion
         over all ranks, held by rank 0 (every rank holds the same keys)."""
-        per_fn = torch.cat(scored) if scored else torch.zeros(0, len(self.rewards.names))
+        per_fn = torch.cat(scored) if scored else torch.zeros(0, len(self.rewards.labels))
         total = self.rewards.total(per_fn)  # (N,)
         lengths = torch.cat([b["completion_mask"].sum(-1) for b in batches]).double() \
             if batches else torch.zeros(0)
@@ -232,9 +238,9 @@ class GRPOTask(CausalLMTask):
                "zero_std_groups": float((total.view(-1, G).std(dim=1) < 1e-8).sum())
                if total.numel() else 0.0,
                "groups": float(total.numel() // G)}
-        for j, name in enumerate(self.rewards.names):
-            out[f"fn/{short_name(name)}"] = float(per_fn[:, j].sum())
-            out[f"fn_sq/{short_name(name)}"] = float((per_fn[:, j] ** 2).sum())
+        for j, label in enumerate(self.rewards.labels):
+            out[f"fn/{label}"] = float(per_fn[:, j].sum())
+            out[f"fn_sq/{label}"] = float((per_fn[:, j] ** 2).sum())
         longest = env.max_over_ranks(float(lengths.max()) if lengths.numel() else 0.0)
         shortest = -env.max_over_ranks(-float(lengths.min()) if lengths.numel() else -1e9)
         master = 1.0 if env.is_master else 0.0
@@ -246,13 +252,13 @@ class GRPOTask(CausalLMTask):
         """TRL's names: reward, reward_std, rewards/<f>/mean and /std, kl, entropy,
         clip_ratio/*, completions/*, frac_reward_zero_std; the time split of a step."""
         from .grpo_metrics import grpo_metrics
-        return grpo_metrics(counts, self.rewards.names)
+        return grpo_metrics(counts, self.rewards.labels)
 
     def describe(self, n_params: int) -> str:
         rl = self.cfg.rl
         return (f"GRPO ({rl.loss_type} loss, {rl.num_generations} completions per prompt, "
                 f"beta {rl.beta}) on model hf ({self.cfg.model.path}): {human_count(n_params)} "
-                f"parameters; rewards: {', '.join(self.rewards.names)}; tokenizer "
+                f"parameters; rewards: {', '.join(self.rewards.names + self.rewards.models)}; tokenizer "
                 f"{self.tokenizer_dir} ({len(self.tokenizer)} tokens)")
 
     @property

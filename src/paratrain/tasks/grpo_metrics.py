@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 
-from .rewards import short_name
-
 
 def _std(s1: float, s2: float, n: float) -> float:
     """The unbiased standard deviation of n values from their sum and sum of squares."""
@@ -21,8 +19,7 @@ def grpo_metrics(c: dict, reward_names: list[str]) -> dict:
     if n:
         out.update({"reward": c["reward"] / n, "reward_std": _std(c["reward"],
                                                                     c["reward_sq"], n)})
-        for name in reward_names:
-            f = short_name(name)
+        for f in reward_names:
             out[f"rewards/{f}/mean"] = c[f"fn/{f}"] / n
             out[f"rewards/{f}/std"] = _std(c[f"fn/{f}"], c[f"fn_sq/{f}"], n)
         out.update({"frac_reward_zero_std": c["zero_std_groups"] / max(c["groups"], 1.0),

@@ -12,7 +12,8 @@ import importlib
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -58,21 +59,40 @@ def short_name(name: str) -> str:
 
 @dataclass
 class Rewards:
-    """The run's reward functions and their weights."""
+    """The run's reward functions, then its reward models (folders, reward_models.py), and one
+    weight for each, in that order."""
     names: list[str]
     weights: list[float]
+    models: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, rl: Any) -> "Rewards":
-        names = list(rl.reward_functions)
+        names, models = list(rl.reward_functions), list(rl.reward_models)
         for name in names:
             load_reward(name)  # before any worker starts: a typo costs a second
-        weights = list(rl.reward_weights) if rl.reward_weights is not None else [1.0] * len(names)
-        return cls(names, [float(w) for w in weights])
+        n = len(names) + len(models)
+        weights = list(rl.reward_weights) if rl.reward_weights is not None else [1.0] * n
+        return cls(names, [float(w) for w in weights], models)
 
-    def score(self, prompts: list, completions: list[str]) -> torch.Tensor:
-        """(N, F) each function's score of each completion (prompts: one per completion)."""
+    @property
+    def labels(self) -> list[str]:
+        """What the figures call each reward (rewards/<label>/mean): a function's name, a
+        reward model's folder (a run's, for its model/)."""
+        return [short_name(n) for n in self.names] + [model_label(m) for m in self.models]
+
+    def score(self, prompts: list, completions: list[str], frozen: Any = None,
+              device: Any = "cpu", amp: Any = None) -> torch.Tensor:
+        """(N, F) each reward's score of each completion (prompts: one per completion); the
+        reward models are the run's frozen models `reward_model_<i>`."""
+        import contextlib
+
+        from .reward_models import RewardModelScorer, reward_model_key
         columns = [self._call(name, prompts, completions) for name in self.names]
+        if self.models and not hasattr(self, "_scorers"):
+            self._scorers = [RewardModelScorer(m) for m in self.models]
+        for i, scorer in enumerate(getattr(self, "_scorers", [])):
+            columns.append(scorer.score(frozen[reward_model_key(i)], prompts, completions,
+                                        device, amp or contextlib.nullcontext()))
         return torch.tensor(columns, dtype=torch.float64).T.contiguous()  # (N, F)
 
     def _call(self, name: str, prompts: list, completions: list[str]) -> list[float]:
@@ -100,6 +120,11 @@ class Rewards:
     def total(self, per_function: torch.Tensor) -> torch.Tensor:
         """(N, F) -> (N,) the weighted sum."""
         return per_function @ torch.tensor(self.weights, dtype=per_function.dtype)
+
+
+def model_label(folder: str) -> str:
+    path = Path(folder)
+    return path.parent.name if path.name == "model" else path.name
 
 
 def _is_number(x: Any) -> bool:
