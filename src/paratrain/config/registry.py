@@ -267,3 +267,9 @@ register(TaskSpec(
     generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as in training
     summary="online RL (GRPO): a pretrained causal LM samples completions of prompts and learns "
             "from their rewards (rl.*)"))
+register(TaskSpec(
+    "prompts", "paratrain.tasks.ppo:PPOTask", pretrained=True, objective="ppo",
+    record_fields=("prompt",), checks=(check_rl,),
+    generate="paratrain.models.hf:generate_hf_reply",
+    summary="online RL (PPO): a pretrained causal LM with a value head learns from the rewards "
+            "of its own completions (rl.*)"))

@@ -15,11 +15,11 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 def check_rl(cfg: Any) -> None:
     """rl.*: at least one reward, known loss and scaling names, sampling options in range."""
-    r = cfg.rl
+    r, objective = cfg.rl, cfg.task.objective
     if not (r.reward_functions or r.reward_models):
-        raise ConfigError("trainer.objective=grpo needs a reward: rl.reward_functions="
-                          "[module:function] (f(prompts, completions) -> list[float]), "
-                          "Trainer(reward_functions=[f]), or rl.reward_models=[DIR]")
+        raise ConfigError(f"trainer.objective={objective} needs a reward: "
+                          "rl.reward_functions=[module:function] (f(prompts, completions) -> "
+                          "list[float]), Trainer(reward_functions=[f]), or rl.reward_models=[DIR]")
     for folder in r.reward_models:
         if not (Path(str(folder)).expanduser() / "config.json").is_file():
             raise ConfigError(f"rl.reward_models: {folder!r} is not a model folder with a "
@@ -36,12 +36,13 @@ def check_rl(cfg: Any) -> None:
                           "rewards (rl.reward_functions, then rl.reward_models); give one each, "
                           "or null")
     if not cfg.data.drop_last:
-        raise ConfigError("trainer.objective=grpo trains on whole groups of prompts: leave "
+        raise ConfigError("data.format=prompts trains on whole groups of completions: leave "
                           "data.drop_last=true")
     check_choice("rl.loss_type", r.loss_type, LOSS_TYPES)
     check_choice("rl.scale_rewards", r.scale_rewards, SCALE_REWARDS)
-    bounds = [("rl.num_generations", r.num_generations >= 2, "at least 2 (a group's mean is the "
-               "baseline)"),
+    ppo = objective == "ppo"
+    bounds = [("rl.num_generations", r.num_generations >= (1 if ppo else 2),
+               "at least 1" if ppo else "at least 2 (a group's mean is the baseline)"),
               ("rl.max_new_tokens", r.max_new_tokens >= 1, "at least 1"),
               ("rl.temperature", r.temperature > 0, "positive"),
               ("rl.top_p", 0 < r.top_p <= 1, "in (0, 1]"),
@@ -49,7 +50,12 @@ def check_rl(cfg: Any) -> None:
               ("rl.beta", r.beta >= 0, "0 or more"),
               ("rl.epsilon", r.epsilon > 0, "positive"),
               ("rl.epsilon_high", r.epsilon_high is None or r.epsilon_high > 0, "positive"),
-              ("rl.num_iterations", r.num_iterations >= 1, "at least 1")]
+              ("rl.num_iterations", r.num_iterations >= 1, "at least 1"),
+              ("rl.kl_coef", r.kl_coef >= 0, "0 or more"),
+              ("rl.vf_coef", r.vf_coef >= 0, "0 or more"),
+              ("rl.cliprange_value", r.cliprange_value > 0, "positive"),
+              ("rl.gamma", 0 <= r.gamma <= 1, "in [0, 1]"),
+              ("rl.lam", 0 <= r.lam <= 1, "in [0, 1]")]
     for key, ok, what in bounds:
         if not ok:
             raise ConfigError(f"{key}={_value(cfg, key)} must be {what}")

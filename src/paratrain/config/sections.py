@@ -115,7 +115,7 @@ class DataConfig:
     """What the data is and what is trained: packed (contiguous windows of text) | padded (one
     document per row, pads ignored by the loss) | pairs (input -> output) | chat (messages) |
     classify (text -> label) | preference (prompt, chosen, rejected: DPO or a reward model) |
-    prompts (prompts alone: online RL, trainer.objective=grpo)."""
+    prompts (prompts alone: online RL, trainer.objective=grpo or ppo)."""
     pack: bool = False
     """pairs / chat: several examples per row (refused for now: examples are padded to the
     longest of each micro-batch instead)."""
@@ -224,7 +224,8 @@ class TrainerConfig:
     training; null: off."""
     objective: str = "auto"
     """What data.format trains: auto (the format's first) | lm | sft | classify | dpo | reward
-    (preference data) | seq2seq (pairs on an encoder-decoder model) | grpo (prompts; rl.*)."""
+    (preference data) | seq2seq (pairs on an encoder-decoder model) | grpo | ppo (prompts;
+    rl.*)."""
 
 
 @dataclass
@@ -373,9 +374,9 @@ class PlanConfig:
 
 @dataclass
 class RLConfig:
-    """Online RL (data.format=prompts, trainer.objective=grpo): the policy samples completions of
-    each prompt, they are scored, and it learns from them; TRL 1.16 GRPOTrainer's defaults and
-    names. See tasks/grpo.py."""
+    """Online RL (data.format=prompts, trainer.objective=grpo or ppo): the policy samples
+    completions of each prompt, they are scored, and it learns from them; TRL 1.16
+    GRPOTrainer's defaults and names (PPO: TRL's PPOTrainer). See tasks/grpo.py, tasks/ppo.py."""
     reward_functions: List[str] = field(default_factory=list)
     """`module:function` names of reward functions `f(prompts, completions) -> list[float]`,
     one score per completion; the Python API also takes the functions themselves."""
@@ -387,7 +388,8 @@ class RLConfig:
     """One weight per reward function, then per reward model; the reward is their weighted
     sum. null: all 1.0."""
     num_generations: int = 8
-    """Completions sampled per prompt (a group: advantages are relative to its mean)."""
+    """Completions sampled per prompt (grpo: a group, whose mean reward is the baseline; ppo:
+    1 is enough)."""
     max_new_tokens: int = 512
     """The longest completion, in tokens (TRL's max_completion_length); sampling stops at EOS."""
     temperature: float = 1.0
@@ -411,7 +413,17 @@ class RLConfig:
     """group (advantages divided by the group's reward std) | batch (by the std of the whole
     batch) | none (Dr. GRPO: not divided)."""
     num_iterations: int = 1
-    """Optimizer steps per generation (TRL's mu): each batch of completions is trained on this
-    many times, clipped against the log-probabilities it was sampled with."""
+    """Optimizer steps per generation (GRPO's mu, PPO's ppo_epochs): each batch of completions
+    is trained on this many times, clipped against the log-probabilities it was sampled with."""
     mask_truncated_completions: bool = False
     """Leave completions that reached max_new_tokens without EOS out of the loss (DAPO)."""
+    kl_coef: float = 0.05
+    """ppo: the per-token KL penalty to the reference in the rewards (0: no reference held)."""
+    vf_coef: float = 0.1
+    """ppo: the value loss's weight beside the policy loss."""
+    cliprange_value: float = 0.2
+    """ppo: how far a value may move from the one it had when sampled, in the clipped loss."""
+    gamma: float = 1.0
+    """ppo: the discount of GAE."""
+    lam: float = 0.95
+    """ppo: the lambda of GAE."""

@@ -30,7 +30,14 @@ from .base import NO_FROZEN, Frozen, to_device
 from .grpo_loss import LossOptions, clip_counts, loss_units, reduce_loss, token_terms
 from .hf import Encoder
 from .rewards import Rewards, group_advantages
-from .rollout import Sampling, completion_logps, prompt_generator, sample_completions, unwrapped
+from .rollout import (
+    Sampling,
+    TokenScores,
+    completion_logps,
+    prompt_generator,
+    sample_completions,
+    unwrapped,
+)
 from .sft import CausalLMTask
 
 
@@ -49,6 +56,11 @@ class GRPOTask(CausalLMTask):
         self.rewards = self.rewards or Rewards.of(rl)
         self.sampling, self.options = Sampling.of(rl), LossOptions.of(rl)
         self.unit_name = "completion tokens" if rl.loss_type == "dapo" else "completions"
+
+    @property
+    def kl_coef(self) -> float:
+        """The KL penalty's coefficient (rl.beta); the reference is held when it is not 0."""
+        return self.cfg.rl.beta
 
     @classmethod
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
@@ -86,7 +98,7 @@ class GRPOTask(CausalLMTask):
         from .reward_models import load_reward_model, reward_model_key
         frozen = {reward_model_key(i): load_reward_model(folder)
                   for i, folder in enumerate(self.cfg.rl.reward_models)}
-        if self.cfg.rl.beta != 0.0 and not self.lora:
+        if self.kl_coef != 0.0 and not self.lora:
             from ..models.hf import HFArgs, build_hf
             torch.manual_seed(self.cfg.trainer.seed)
             frozen["reference"] = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer)))
@@ -107,9 +119,7 @@ class GRPOTask(CausalLMTask):
         scored = [self._score(b, frozen, env.device, amp) if b is not None else None
                   for b in batches]
         t2 = time.perf_counter()
-        batch_std = self._batch_std(env, scored) if self.cfg.rl.scale_rewards == "batch" else None
-        out = [self._finish(model, b, s, amp, frozen, batch_std) if b is not None else None
-               for b, s in zip(batches, scored)]
+        out = self._advantages(model, batches, scored, env, amp, frozen)
         figures = self._rollout_figures(env, [s for s in scored if s is not None],
                                         [b for b in out if b is not None])
         figures.update({"generation_s": t1 - t0, "scoring_s": t2 - t1, "rank_steps": 1.0})
@@ -139,6 +149,13 @@ class GRPOTask(CausalLMTask):
         texts = self.tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
         return self.rewards.score(b["prompts"], texts, frozen, device, amp)
 
+    def _advantages(self, model: nn.Module, batches: list, scored: list, env: Any,
+                    amp: ContextManager, frozen: Frozen) -> list:
+        """Each batch with its advantages and what its loss needs (group-relative: GRPO)."""
+        batch_std = self._batch_std(env, scored) if self.cfg.rl.scale_rewards == "batch" else None
+        return [self._finish(model, b, s, amp, frozen, batch_std) if b is not None else None
+                for b, s in zip(batches, scored)]
+
     def _batch_std(self, env: Any, scored: list) -> float:
         """rl.scale_rewards=batch: the std of every reward of the step, over all ranks."""
         r = torch.cat([self.rewards.total(s) for s in scored if s is not None])
@@ -164,13 +181,13 @@ class GRPOTask(CausalLMTask):
              "rewards": per_fn, "truncated": truncated}
         with torch.no_grad():
             if rl.num_iterations > 1:
-                b["old_logps"] = self._logps(model, b, amp)[0]
+                b["old_logps"] = self._logps(model, b, amp).logps
             if rl.beta != 0.0:
                 b["ref_logps"] = self._reference_logps(model, b, amp, frozen)
         return b
 
     def _logps(self, model: nn.Module, b: dict, amp: ContextManager, entropy: bool = False
-               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               ) -> TokenScores:
         return completion_logps(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
                                 b["completion_mask"], self.sampling.temperature, amp, entropy)
 
@@ -180,8 +197,8 @@ class GRPOTask(CausalLMTask):
             from .preference import adapters_of
             peft_model = adapters_of(model)
             with peft_model.disable_adapter():
-                return self._logps(peft_model, b, amp)[0]
-        return self._logps(frozen["reference"], b, amp)[0]
+                return self._logps(peft_model, b, amp).logps
+        return self._logps(frozen["reference"], b, amp).logps
 
     def eval_counts(self, model: nn.Module, batch: dict, device: torch.device,
                     amp: ContextManager, frozen: Frozen = NO_FROZEN
@@ -211,7 +228,7 @@ class GRPOTask(CausalLMTask):
                      amp: ContextManager, frozen: Frozen = NO_FROZEN
                      ) -> tuple[torch.Tensor, int, dict]:
         """(the micro-batch's loss sum, its units, sums for the figures): grpo_loss.py."""
-        logps, entropy = self._logps(model, batch, amp, entropy=True)  # (N, C) each
+        logps, entropy, _ = self._logps(model, batch, amp, entropy=True)  # (N, C) each
         old = batch.get("old_logps", logps.detach())
         terms = token_terms(logps, old, batch.get("ref_logps"), batch["advantages"],
                             self.options)
@@ -236,7 +253,7 @@ class GRPOTask(CausalLMTask):
                "length": float(lengths.sum()),
                "truncated": float(sum(int(b["truncated"].sum()) for b in batches)),
                "zero_std_groups": float((total.view(-1, G).std(dim=1) < 1e-8).sum())
-               if total.numel() else 0.0,
+               if total.numel() and G > 1 else 0.0,
                "groups": float(total.numel() // G)}
         for j, label in enumerate(self.rewards.labels):
             out[f"fn/{label}"] = float(per_fn[:, j].sum())

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -137,12 +137,20 @@ def next_tokens(logits: torch.Tensor, u: torch.Tensor, how: Sampling) -> torch.T
     return pick.clamp(max=probs.size(-1) - 1)[:, 0]
 
 
+class TokenScores(NamedTuple):
+    """(N, C) per completion token: its log-probability, the entropy of its position's
+    distribution (when asked), the value head's estimate before it (a model with one: PPO)."""
+    logps: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+
+
 def completion_logps(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                      completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                      temperature: float, amp: ContextManager, entropy: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(N, C) log-probabilities of each completion token at `temperature` (TRL divides the
-    logits by it too), and (N, C) the entropy of each position's distribution when asked."""
+                     ) -> TokenScores:
+    """Log-probabilities of each completion token at `temperature` (TRL divides the logits by it
+    too), the entropies when asked, and the values when the model's output has them."""
     ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P+C)
     mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (N, P+C)
     with amp:
@@ -152,8 +160,10 @@ def completion_logps(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
     logits = logits[:, -C - 1:-1, :].float() / temperature  # (N, C, V): predicts each token
     logp_all = F.log_softmax(logits, dim=-1)  # (N, C, V)
     logps = logp_all.gather(-1, completion_ids[..., None])[..., 0]  # (N, C)
+    values = getattr(out, "vpreds", None)  # a value head's (ppo.py); not ModelOutput.values()
+    values = values[:, -C - 1:-1].float() if values is not None else None  # (N, C)
     if not entropy:
-        return logps, None
+        return TokenScores(logps, None, values)
     with torch.no_grad():
         ent = -(logp_all.exp() * logp_all).sum(-1)  # (N, C)
-    return logps, ent
+    return TokenScores(logps, ent, values)
