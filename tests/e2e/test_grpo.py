@@ -173,3 +173,29 @@ def test_a_reward_model_folder_scores_beside_a_function(capsys, tmp_path, setup)
         fn, rm = m["rewards/digits/mean"], m["rewards/my-rm/mean"]
         assert abs(m["reward"] - (fn + 0.5 * rm)) <= 1e-9, m
         assert rm != 0.0 and m["rewards/my-rm/std"] > 0
+
+
+@pytest.mark.slow
+def test_ppo_is_the_same_on_one_process_and_two_fsdp_workers(capsys, tmp_path, setup):
+    """trainer.objective=ppo (a value head, GAE, 2 passes over each batch): one process and 2
+    FSDP workers sample the same completions and give the same losses (1e-5) step by step;
+    model/ is the policy alone, a causal LM folder."""
+    ppo = {"trainer.objective": "ppo", "rl.num_generations": 2, "rl.num_iterations": 2,
+           "trainer.max_steps": 4, "trainer.log_every": 1}
+    r = cli_run(capsys, grpo_args(setup, tmp_path / "one", **{
+        **ppo, "trainer.devices": "cpu", "trainer.batch_size": 4,
+        "rl.reward_functions": "[tests.e2e._grpo_rewards:digits]"}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli(grpo_args(setup, tmp_path / "fsdp", **{
+        **ppo, "trainer.devices": "cpu:2", "trainer.strategy": "fsdp",
+        "trainer.batch_size": 2}), cwd=setup, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "fsdp")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert abs(a.get("reward", 0.0) - b.get("reward", 0.0)) <= 1e-12, (a, b)
+        for key in ("loss", "loss/policy", "loss/value"):
+            assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
+    assert "reward" in one[0] and "reward" not in one[1]  # the second pass samples nothing
+    config = json.loads((tmp_path / "fsdp" / "model" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]

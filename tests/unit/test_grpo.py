@@ -152,3 +152,72 @@ def test_rl_config_is_checked(capsys, hf_llama, tmp_path, extra, says):
                               "data.format=prompts", f"data.source={tmp_path / 'p.jsonl'}",
                               *extra])
     assert says in line, line
+
+
+# ---- PPO: TRL 1.x has no PPO trainer; its 0.x PPOTrainer (trl/trainer/ppo_trainer.py:
+# compute_rewards, compute_advantages, loss; trl/core.py: masked_mean, masked_var, masked_whiten)
+# transcribed here, and our pieces checked against it on the same tensors.
+def _trl_ppo(scores, logprobs, ref_logprobs, values, vpreds, new_logprobs, mask, o):
+    def masked_mean(x, m):
+        return (x * m).sum() / m.sum()
+
+    def masked_whiten(x, m):
+        mean = masked_mean(x, m)
+        var = masked_mean((x - mean) ** 2, m) * m.sum() / (m.sum() - 1)
+        return (x - mean) * torch.rsqrt(var + 1e-8)
+
+    rewards = []
+    for score, lp, ref, m in zip(scores, logprobs, ref_logprobs, mask):
+        reward = -o.kl_coef * (lp - ref)
+        reward[m.nonzero()[-1]] += score
+        rewards.append(reward)
+    rewards, values = torch.stack(rewards) * mask, values * mask
+    lastgaelam, reversed_ = 0, []
+    gen_len = rewards.shape[-1]
+    for t in reversed(range(gen_len)):
+        nextvalues = values[:, t + 1] if t < gen_len - 1 else 0.0
+        delta = rewards[:, t] + o.gamma * nextvalues - values[:, t]
+        lastgaelam = delta + o.gamma * o.lam * lastgaelam
+        reversed_.append(lastgaelam)
+    advantages = torch.stack(reversed_[::-1]).transpose(0, 1)
+    returns = advantages + values
+    advantages = masked_whiten(advantages, mask).detach()
+    vpredclipped = torch.clamp(vpreds, values - o.cliprange_value, values + o.cliprange_value)
+    vf_loss = 0.5 * masked_mean(torch.max((vpreds - returns) ** 2,
+                                          (vpredclipped - returns) ** 2), mask)
+    ratio = torch.exp(new_logprobs - logprobs)
+    pg_loss = masked_mean(torch.max(-advantages * ratio, -advantages * torch.clamp(
+        ratio, 1.0 - o.epsilon, 1.0 + o.epsilon)), mask)
+    return pg_loss + o.vf_coef * vf_loss
+
+
+def test_ppo_loss_and_gradient_equal_trls_formulas():
+    """Rewards, GAE, whitening and the clipped policy + value loss, and the gradients with
+    respect to the new log-probs and values (1e-6; float64)."""
+    from paratrain.tasks.ppo_loss import PPOOptions, gae, ppo_token_losses, token_rewards, whiten
+    t = _tensors(1)
+    g = torch.Generator().manual_seed(2)
+    o = PPOOptions(kl_coef=0.1, gamma=0.99, lam=0.9, epsilon=0.2, cliprange_value=0.1,
+                   vf_coef=0.3)
+    scores = torch.randn(N, generator=g, dtype=torch.float64)
+    values = torch.randn(N, C, generator=g, dtype=torch.float64) * t["mask"]
+    vpreds = values + torch.randn(N, C, generator=g, dtype=torch.float64) * 0.3
+    mask, old, new = t["mask"], t["old"], t["logps"]
+    ours_in = [new.clone().requires_grad_(), vpreds.clone().requires_grad_()]
+    rewards = token_rewards(scores, old, t["ref"], mask, o.kl_coef)
+    advantages, returns = gae(rewards, values, mask, o.gamma, o.lam)
+    n = mask.sum()
+    mean = float((advantages * mask).sum() / n)
+    var = float((((advantages - mean) ** 2) * mask).sum() / n * n / (n - 1))
+    loss, _, _ = ppo_token_losses(ours_in[0], old, whiten(advantages, mask, mean, var),
+                                  ours_in[1], values, returns, o)
+    ours = (loss * mask).sum() / n
+    ours.backward()
+    theirs_in = [new.clone().requires_grad_(), vpreds.clone().requires_grad_()]
+    theirs = _trl_ppo(scores, old, t["ref"], values, theirs_in[1], theirs_in[0], mask, o)
+    theirs.backward()
+    assert abs(float((ours - theirs).detach())) <= 1e-6, (float(ours.detach()),
+                                                        float(theirs.detach()))
+    for a, b in zip(ours_in, theirs_in):
+        assert torch.allclose(a.grad, b.grad, rtol=0, atol=1e-6)
+        assert float(a.grad.abs().sum()) > 0
