@@ -152,7 +152,8 @@ def test_a_reward_function_that_breaks_stops_the_run_in_one_line(capsys, tmp_pat
 def test_a_reward_model_folder_scores_beside_a_function(capsys, tmp_path, setup):
     """rl.reward_models: a one-label sequence-classification folder (the layout a reward run's
     model/ has: its weights, pad id and tokenizer) runs frozen beside the policy; the reward is
-    the weighted sum of the function's and the model's scores, each logged under its name."""
+    the weighted sum of the function's and the model's scores, each logged under its name; and
+    `paratrain plan` counts it (and the reference)."""
     import shutil
 
     import transformers
@@ -173,6 +174,19 @@ def test_a_reward_model_folder_scores_beside_a_function(capsys, tmp_path, setup)
         fn, rm = m["rewards/digits/mean"], m["rewards/my-rm/mean"]
         assert abs(m["reward"] - (fn + 0.5 * rm)) <= 1e-9, m
         assert rm != 0.0 and m["rewards/my-rm/std"] > 0
+    # paratrain plan counts what the run holds beside the policy: the reward model, and the
+    # reference once rl.beta > 0
+    rows = {}
+    for beta in (0.0, 0.1):
+        r = cli_run(capsys, ["plan"] + grpo_args(setup, tmp_path / "plan")[1:] + [
+            "trainer.devices=cpu:2", "rl.reward_functions=[]", f"rl.reward_models=[{folder}]",
+            f"rl.beta={beta}"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        header, ddp = [line.split() for line in r.stdout.splitlines()[:2]]
+        assert ddp[0] == "ddp", r.stdout
+        rows[beta] = dict(zip(header, ddp))
+    held = {beta: float(row["frozen"].rstrip("M")) for beta, row in rows.items()}
+    assert 0 < held[0.0] < held[0.1], rows
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..formatting import human_count
-from .base import NO_FROZEN, Frozen, to_device
+from .base import NO_FROZEN, Frozen, MemoryProbe, to_device
 from .grpo_loss import LossOptions, clip_counts, loss_units, reduce_loss, token_terms
 from .hf import Encoder
 from .rewards import Rewards, group_advantages
@@ -103,6 +103,16 @@ class GRPOTask(CausalLMTask):
             torch.manual_seed(self.cfg.trainer.seed)
             frozen["reference"] = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer)))
         return frozen
+
+    def memory_probe(self) -> Optional[MemoryProbe]:
+        """For `paratrain plan` and auto: rl_memory.py."""
+        from .rl_memory import FrozenProbe, GroupProbe
+        rl = self.cfg.rl
+        reference = self.kl_coef != 0.0 and not self.lora
+        return MemoryProbe(GroupProbe(self.cfg, rl.num_generations),
+                           self.train_ds.longest + rl.max_new_tokens, len(self.tokenizer),
+                           build_frozen=FrozenProbe(self.cfg, reference)
+                           if reference or rl.reward_models else None)
 
     # ---- a step's completions -------------------------------------------------------------
     def rollout(self, model: nn.Module, micro: list, step: int, env: Any, amp: ContextManager,
