@@ -200,7 +200,9 @@ class TrainLoop:
             self.record_evaluation(last["val_loss"])
         out.metrics.write(last)
         st.last = last
-        out.bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}")
+        shown = {k.rpartition("/")[2]: f"{last[k]:.3g}"  # the task's own (online RL: reward
+                 for k in getattr(self.task, "progress_keys", ()) if k in last}  # and times)
+        out.bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}", **shown)
 
     def _epoch_memory(self, bar: ProgressBar) -> None:
         """trainer.verbose: the memory table at the end of each epoch but the last."""

@@ -47,6 +47,8 @@ class GRPOTask(CausalLMTask):
     sample_name: ClassVar[str] = "prompts"
     perplexity: ClassVar[bool] = False
     units_per_sample: ClassVar[Optional[int]] = None  # completion tokens vary: counted per step
+    progress_keys: ClassVar[tuple[str, ...]] = (  # on the progress bar, beside loss and lr
+        "reward", "time/generation_s", "time/scoring_s", "time/learning_s")
     rewards: Optional[Rewards] = None
     _cached: list = field(default_factory=list)  # rl.num_iterations: the batch trained again
     _all_done: Callable[[bool], bool] = bool  # when generation may stop (`_lockstep`)
