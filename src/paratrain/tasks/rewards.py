@@ -1,6 +1,7 @@
 """The rewards of online RL (grpo.py): functions `f(prompts, completions) -> list[float]`, named
 `module:function` in rl.reward_functions (the Python API passes the functions, which it names
-so), summed with rl.reward_weights; and the group-relative advantages GRPO learns from.
+so), and reward models (rl.reward_models: reward_models.py), summed with rl.reward_weights;
+and the group-relative advantages GRPO learns from.
 
 A reward function that raises, returns another number of scores than completions, or a score
 that is not a finite number stops the run with one line naming it: nothing is trained on it.
@@ -12,6 +13,7 @@ import importlib
 import math
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -20,6 +22,7 @@ import torch
 
 from ..errors import ConfigError, TrainingError
 from ..formatting import first_line
+from .reward_models import RewardModelScorer, reward_model_key
 
 RewardFn = Callable[[list, list], Sequence[float]]
 
@@ -65,6 +68,9 @@ class Rewards:
     weights: list[float]
     models: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.scorers = [RewardModelScorer(m) for m in self.models]
+
     @classmethod
     def of(cls, rl: Any) -> "Rewards":
         names, models = list(rl.reward_functions), list(rl.reward_models)
@@ -84,15 +90,10 @@ class Rewards:
               device: Any = "cpu", amp: Any = None) -> torch.Tensor:
         """(N, F) each reward's score of each completion (prompts: one per completion); the
         reward models are the run's frozen models `reward_model_<i>`."""
-        import contextlib
-
-        from .reward_models import RewardModelScorer, reward_model_key
         columns = [self._call(name, prompts, completions) for name in self.names]
-        if self.models and not hasattr(self, "_scorers"):
-            self._scorers = [RewardModelScorer(m) for m in self.models]
-        for i, scorer in enumerate(getattr(self, "_scorers", [])):
+        for i, scorer in enumerate(self.scorers):
             columns.append(scorer.score(frozen[reward_model_key(i)], prompts, completions,
-                                        device, amp or contextlib.nullcontext()))
+                                        device, amp or nullcontext()))
         return torch.tensor(columns, dtype=torch.float64).T.contiguous()  # (N, F)
 
     def _call(self, name: str, prompts: list, completions: list[str]) -> list[float]:
