@@ -16,10 +16,10 @@ from .sections import (
     ModelConfig,
     OptimConfig,
     PlanConfig,
-    RLConfig,
     RunConfig,
     TrainerConfig,
 )
+from .rl import RLConfig
 from .tree import TrainConfig
 
 __all__ = ["CheckpointConfig", "DataConfig", "DistributedConfig", "DPOConfig", "LogConfig",

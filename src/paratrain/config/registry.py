@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
 from .model_folder import model_config
-from .rl_checks import check_rl
+from .rl import check_rl
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The sections of the configuration tree (run, model, data, trainer, optim, dpo, checkpoint,
-distributed, log, plan, rl): typed dataclasses that OmegaConf checks. The docstring under each field
+distributed, log, plan; rl in rl.py): typed dataclasses that OmegaConf checks. The docstring under each field
 is that key's one description: `paratrain config show`, the unknown-key error and the docs'
 Config keys page are made from it (config/docs.py). tree.py joins them into `TrainConfig`.
 """
@@ -370,60 +370,3 @@ class PlanConfig:
     """Processes (GPUs) per node."""
     device_memory_gb: Optional[float] = None
     """Memory of one device, GB (10^9 bytes)."""
-
-
-@dataclass
-class RLConfig:
-    """Online RL (data.format=prompts, trainer.objective=grpo or ppo): the policy samples
-    completions of each prompt, they are scored, and it learns from them; TRL 1.16
-    GRPOTrainer's defaults and names (PPO: TRL's PPOTrainer). See tasks/grpo.py, tasks/ppo.py."""
-    reward_functions: List[str] = field(default_factory=list)
-    """`module:function` names of reward functions `f(prompts, completions) -> list[float]`,
-    one score per completion; the Python API also takes the functions themselves."""
-    reward_models: List[str] = field(default_factory=list)
-    """Reward model folders (what trainer.objective=reward writes to model/, or any one-label
-    sequence-classification model): each scores prompt + completion, frozen and sharded like
-    the policy."""
-    reward_weights: Optional[List[float]] = None
-    """One weight per reward function, then per reward model; the reward is their weighted
-    sum. null: all 1.0."""
-    num_generations: int = 8
-    """Completions sampled per prompt (grpo: a group, whose mean reward is the baseline; ppo:
-    1 is enough)."""
-    max_new_tokens: int = 512
-    """The longest completion, in tokens (TRL's max_completion_length); sampling stops at EOS."""
-    temperature: float = 1.0
-    """Sampling temperature (> 0); the log-probabilities are taken at the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1.0: off)."""
-    top_k: int = 0
-    """Sample among the k most likely tokens only (0: off)."""
-    beta: float = 0.0
-    """KL coefficient to the reference (the policy's start; with LoRA, the policy with its
-    adapters off); 0.0: no reference is held (TRL's default; DeepSeek-R1 used 0.001)."""
-    epsilon: float = 0.2
-    """Clipping of the probability ratio, lower bound 1 - epsilon."""
-    epsilon_high: Optional[float] = None
-    """Upper clipping bound 1 + epsilon_high; null: epsilon (DAPO recommends 0.28)."""
-    loss_type: str = "dapo"
-    """dapo (token losses over the completion tokens of the global batch) | grpo (each
-    completion's mean, then the mean) | dr_grpo (over completions x max_new_tokens) | bnpo (over
-    the tokens of each micro-batch)."""
-    scale_rewards: str = "group"
-    """group (advantages divided by the group's reward std) | batch (by the std of the whole
-    batch) | none (Dr. GRPO: not divided)."""
-    num_iterations: int = 1
-    """Optimizer steps per generation (GRPO's mu, PPO's ppo_epochs): each batch of completions
-    is trained on this many times, clipped against the log-probabilities it was sampled with."""
-    mask_truncated_completions: bool = False
-    """Leave completions that reached max_new_tokens without EOS out of the loss (DAPO)."""
-    kl_coef: float = 0.05
-    """ppo: the per-token KL penalty to the reference in the rewards (0: no reference held)."""
-    vf_coef: float = 0.1
-    """ppo: the value loss's weight beside the policy loss."""
-    cliprange_value: float = 0.2
-    """ppo: how far a value may move from the one it had when sampled, in the clipped loss."""
-    gamma: float = 1.0
-    """ppo: the discount of GAE."""
-    lam: float = 0.95
-    """ppo: the lambda of GAE."""

@@ -24,6 +24,7 @@ from .checks import validate
 from .defaults import default_run_name, resolve_max_length, resolve_tokenizer
 from .docs import suggest_key, unknown_key_message
 from .registry import TaskSpec, for_config
+from .rl import RLConfig
 from .sections import (
     CheckpointConfig,
     DataConfig,
@@ -33,7 +34,6 @@ from .sections import (
     ModelConfig,
     OptimConfig,
     PlanConfig,
-    RLConfig,
     RunConfig,
     TrainerConfig,
 )
