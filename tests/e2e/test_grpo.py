@@ -9,12 +9,13 @@ the same final weights, bit for bit."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import cli_refusal, cli_run, make_hf_llama, read_metrics, run_cli
+from tests.conftest import REPO, cli_refusal, cli_run, make_hf_llama, read_metrics, run_cli
 from tests.e2e._doc_blocks import doc_blocks
 
 pytest.importorskip("transformers")
@@ -213,3 +214,15 @@ def test_ppo_is_the_same_on_one_process_and_two_fsdp_workers(capsys, tmp_path, s
     assert "reward" in one[0] and "reward" not in one[1]  # the second pass samples nothing
     config = json.loads((tmp_path / "fsdp" / "model" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.mark.slow
+def test_the_python_example_trains(tmp_path, setup):
+    """examples/grpo.py, as a user runs it (its reward function defined in the script), on one
+    process for 2 steps."""
+    r = run_cli([str(REPO / "examples" / "grpo.py"), str(setup / "my-model"), "--steps", "2",
+                 "--devices", "cpu", "--run-dir", str(tmp_path / "run")], cwd=tmp_path,
+                timeout=300, launcher=[sys.executable])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("mean reward "), r.stdout
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
