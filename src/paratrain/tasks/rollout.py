@@ -10,7 +10,7 @@ Exact across world sizes: each prompt draws its tokens from a generator of its o
 (trainer.seed, step, the prompt's index in the training set), never by rank. A prompt's group
 of completions always lives on one rank, so 1 and N workers sample the same completions.
 Tokens are drawn by inverting the cumulative distribution with one uniform number per row and
-token (what torch.multinomial does, with our generator).
+token, drawn from that prompt's generator.
 """
 
 from __future__ import annotations
