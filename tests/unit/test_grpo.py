@@ -146,6 +146,9 @@ def test_a_failing_reward_function_names_itself(fn, says):
                                                          "dapo, grpo, dr_grpo, bnpo"),
     (["rl.reward_functions=[a:b]", "rl.num_generations=1"], "rl.num_generations=1 must be at "
                                                             "least 2"),
+    (["rl.reward_functions=[a:b]", "trainer.tensor_parallel=2"], "tensor parallelism is not "
+                                                                 "supported for it yet"),
+    (["rl.reward_functions=[a:b]", "trainer.pipeline_parallel=2"], "pipeline"),
 ])
 def test_rl_config_is_checked(capsys, hf_llama, tmp_path, extra, says):
     line = cli_error(capsys, ["config", "show", "model.arch=hf", f"model.path={hf_llama}",

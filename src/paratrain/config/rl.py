@@ -95,6 +95,10 @@ def check_rl(cfg: Any) -> None:
         raise ConfigError(f"rl.reward_weights has {len(r.reward_weights)} weights for {n} "
                           "rewards (rl.reward_functions, then rl.reward_models); give one each, "
                           "or null")
+    if cfg.trainer.tensor_parallel > 1:
+        raise ConfigError(f"trainer.objective={objective} samples from whole weights: tensor "
+                          "parallelism is not supported for it yet; use trainer.strategy=fsdp "
+                          "(trainer.tensor_parallel=1)")
     if not cfg.data.drop_last:
         raise ConfigError("data.format=prompts trains on whole groups of completions: leave "
                           "data.drop_last=true")
