@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, cli_refusal, cli_run, make_hf_llama, read_metrics, run_cli
+from tests.conftest import (
+    REPO,
+    cli_refusal,
+    cli_run,
+    make_hf_llama,
+    read_metrics,
+    read_summary,
+    run_cli,
+)
 from tests.e2e._doc_blocks import doc_blocks
 
 pytest.importorskip("transformers")
@@ -74,10 +82,10 @@ def two_workers(setup) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_grpo_raises_the_reward(two_workers):
+def test_grpo_raises_the_reward(setup, two_workers):
     """The mean reward of steps 26-30 is above that of steps 1-5 by a margin (measured: 0.38 ->
     0.69; the random model writes about a third digits), with TRL's figures and the time split
-    in every line."""
+    in every line, and the held-out prompts' reward at the end."""
     first, last = two_workers[0]["reward"], two_workers[-1]["reward"]
     assert [m["step"] for m in two_workers] == [5, 10, 15, 20, 25, 30]
     assert last > first + 0.15, (first, last, [m["reward"] for m in two_workers])
@@ -87,6 +95,9 @@ def test_grpo_raises_the_reward(two_workers):
                 "time/generation_s", "time/scoring_s", "time/learning_s", "lr"):
         assert key in two_workers[-1], key
     assert two_workers[-1]["completions/max_length"] <= 16
+    summary = read_summary(setup / "runs" / "my-model-prompts")  # the held-out prompts, scored
+    assert summary["val_reward"] == pytest.approx(-summary["val_loss"]) and \
+        summary["val_reward"] > 0
 
 
 @pytest.fixture(scope="module")
@@ -151,21 +162,20 @@ def test_a_reward_function_that_breaks_stops_the_run_in_one_line(capsys, tmp_pat
 
 @pytest.mark.slow
 def test_a_reward_model_folder_scores_beside_a_function(capsys, tmp_path, setup):
-    """rl.reward_models: a one-label sequence-classification folder (the layout a reward run's
-    model/ has: its weights, pad id and tokenizer) runs frozen beside the policy; the reward is
-    the weighted sum of the function's and the model's scores, each logged under its name; and
-    `paratrain plan` counts it (and the reference)."""
-    import shutil
-
-    import transformers
+    """rl.reward_models: the model/ of a reward run (trainer.objective=reward, 2 steps here)
+    runs frozen beside the policy; the reward is the weighted sum of the function's and the
+    model's scores, each logged under its name; and `paratrain plan` counts it (and the
+    reference)."""
+    rows = [{"prompt": f"def function_{i}(", "chosen": f"x):\n    return x + {i}",
+             "rejected": "y):"} for i in range(16)]
+    (tmp_path / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = cli_run(capsys, ["train", "model.arch=hf", f"model.path={setup / 'my-model'}",
+                         "data.format=preference", "trainer.objective=reward",
+                         f"data.source={tmp_path / 'prefs.jsonl'}", "trainer.devices=cpu",
+                         "trainer.batch_size=4", "trainer.max_steps=2", "log.report=false",
+                         "trainer.progress_bar=false", f"run.dir={tmp_path / 'my-rm'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
     folder = tmp_path / "my-rm" / "model"
-    tok = transformers.AutoTokenizer.from_pretrained(setup / "my-model")
-    config = transformers.AutoConfig.from_pretrained(setup / "my-model", num_labels=1,
-                                                     pad_token_id=tok.eos_token_id)
-    torch.manual_seed(1)
-    transformers.LlamaForSequenceClassification(config).save_pretrained(folder)
-    for f in (setup / "my-model").glob("tokenizer*"):
-        shutil.copy(f, folder / f.name)
     r = cli_run(capsys, grpo_args(setup, tmp_path / "run", **{
         "trainer.devices": "cpu", "trainer.batch_size": 4, "trainer.max_steps": 2,
         "trainer.log_every": 1, "rl.reward_functions": "[tests.e2e._grpo_rewards:digits]",
