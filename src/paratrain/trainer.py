@@ -72,9 +72,9 @@ class Trainer:
     validation_prompts=, ...), or {"prompt", "chosen", "rejected"} records. Prompt records
     ({"prompt"}) train online RL (GRPO; objective="ppo": PPO) with
     `reward_functions=[f, ...]`, each `f(prompts, completions) -> list[float]` at a module's top
-    level, and the `rl.*` keys by name (num_generations=, max_new_tokens=, beta=, ...). `task=` may also be a Task object
-    of your own (tasks/base.py: the model, data, loss, frozen models and how to save), trained
-    as it is. Keyword arguments set `trainer.*`
+    level, and the `rl.*` keys by name (num_generations=, max_new_tokens=, beta=, ...). `task=`
+    may also be a Task object of your own (tasks/base.py: the model, data, loss, frozen models
+    and how to save), trained as it is. Keyword arguments set `trainer.*`
     and `optim.*` keys by name (devices=, strategy=, batch_size=, lr=, ...; optim.name is
     `optimizer=`), plus `shuffle=`, `drop_last=` (data.*), `run_dir=`, `run_name=`,
     `overwrite=`; `distributed_config={...}` sets `distributed.*`; `overrides=[...]` takes

@@ -1,10 +1,12 @@
-"""GRPO end to end and offline (data.format=prompts, trainer.objective=grpo): a tiny random Llama
-built here, 64 prompt records and a rule reward (the share of digits in a completion). The
-online RL guide's commands (docs/guides/online-rl.md), as printed: one real 2-worker run of 30
-steps raises the mean reward measurably, and generate answers from it; one process and 2 FSDP workers give the same first 5 steps (the same completions,
-as their rewards show to 1e-12, and losses within 1e-5); a reward function that breaks mid-run
-stops the run in one line with its snapshots kept, and the same command resumes from them to
-the same final weights, bit for bit."""
+"""GRPO and PPO end to end and offline (data.format=prompts): a tiny random Llama built here, 64
+prompt records and a rule reward (the share of digits in a completion). The online RL guide's
+commands (docs/guides/online-rl.md), as printed: one real 2-worker run of 30 steps raises the
+mean reward measurably, and generate answers from it. One process and 2 FSDP workers give the
+same first 5 steps (the same completions, as their rewards show to 1e-12, and losses within
+1e-5), for GRPO and for PPO. A reward function that breaks mid-run stops the run in one line
+with its snapshots kept, and the same command resumes from them to the same final weights, bit
+for bit. A reward run's model/ scores beside a function; paratrain plan counts it. The Python
+example trains."""
 
 from __future__ import annotations
 

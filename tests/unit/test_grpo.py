@@ -46,7 +46,8 @@ def _trl_loss(t: dict, logps: torch.Tensor, o: LossOptions) -> torch.Tensor:
         vllm_importance_sampling_correction=False, model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=o.max_new_tokens,
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
-        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None,
+                                   steps_per_generation=1),
         accelerator=types.SimpleNamespace(num_processes=1, reduce=lambda x, reduction: x,
                                           gather=lambda x: x))
     mask = t["mask"].long()
@@ -74,7 +75,8 @@ def test_loss_and_gradient_equal_trls(loss_type):
     theirs.backward()
     clipped = ((terms.ratio < 0.8) | (terms.ratio > 1.28)) & (t["mask"] > 0)
     assert clipped.any() and (~clipped & (t["mask"] > 0)).any()  # both sides of the clip run
-    assert abs(float((ours - theirs).detach())) <= 1e-6, (float(ours.detach()), float(theirs.detach()))
+    error = abs(float((ours - theirs).detach()))
+    assert error <= 1e-6, (float(ours.detach()), float(theirs.detach()))
     assert torch.allclose(ours_in.grad, theirs_in.grad, rtol=0, atol=1e-6)
     assert float(ours_in.grad.abs().sum()) > 0
 

@@ -23,5 +23,5 @@ from .rl import RLConfig
 from .tree import TrainConfig
 
 __all__ = ["CheckpointConfig", "DataConfig", "DistributedConfig", "DPOConfig", "LogConfig",
-           "LoraConfig", "ModelConfig", "OptimConfig", "PlanConfig", "RLConfig", "RunConfig", "TrainConfig",
-           "TrainerConfig"]
+           "LoraConfig", "ModelConfig", "OptimConfig", "PlanConfig", "RLConfig", "RunConfig",
+           "TrainConfig", "TrainerConfig"]

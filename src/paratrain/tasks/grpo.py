@@ -287,8 +287,8 @@ class GRPOTask(CausalLMTask):
         rl = self.cfg.rl
         return (f"GRPO ({rl.loss_type} loss, {rl.num_generations} completions per prompt, "
                 f"beta {rl.beta}) on model hf ({self.cfg.model.path}): {human_count(n_params)} "
-                f"parameters; rewards: {', '.join(self.rewards.names + self.rewards.models)}; tokenizer "
-                f"{self.tokenizer_dir} ({len(self.tokenizer)} tokens)")
+                f"parameters; rewards: {', '.join(self.rewards.names + self.rewards.models)}; "
+                f"tokenizer {self.tokenizer_dir} ({len(self.tokenizer)} tokens)")
 
     @property
     def model_info(self) -> dict:
