@@ -1,7 +1,8 @@
 """The sections of the configuration tree (run, model, data, trainer, optim, dpo, checkpoint,
 distributed, log, plan; rl in rl.py): typed dataclasses that OmegaConf checks. The docstring
-under each field is that key's one description: `paratrain config show`, the unknown-key error and the docs'
-Config keys page are made from it (config/docs.py). tree.py joins them into `TrainConfig`.
+under each field is that key's one description: `paratrain config show`, the unknown-key error
+and the docs' Config keys page are made from it (config/docs.py). tree.py joins them into
+`TrainConfig`.
 """
 
 from __future__ import annotations
