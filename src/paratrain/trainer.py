@@ -69,9 +69,12 @@ class Trainer:
     instead (AutoModelForSequenceClassification): train_input= the texts, train_output= their
     labels (strings or ints), or {"text", "label"} records. Preference pairs train DPO (or a
     reward model with objective="reward"): train_prompts=, train_chosen=, train_rejected= (and
-    validation_prompts=, ...), or {"prompt", "chosen", "rejected"} records. `task=` may also be a Task object
-    of your own (tasks/base.py: the model, data, loss, frozen models and how to save), trained
-    as it is. Keyword arguments set `trainer.*`
+    validation_prompts=, ...), or {"prompt", "chosen", "rejected"} records. Prompt records
+    ({"prompt"}) train online RL (GRPO; objective="ppo": PPO) with
+    `reward_functions=[f, ...]`, each `f(prompts, completions) -> list[float]` at a module's top
+    level, and the `rl.*` keys by name (num_generations=, max_new_tokens=, beta=, ...). `task=`
+    may also be a Task object of your own (tasks/base.py: the model, data, loss, frozen models
+    and how to save), trained as it is. Keyword arguments set `trainer.*`
     and `optim.*` keys by name (devices=, strategy=, batch_size=, lr=, ...; optim.name is
     `optimizer=`), plus `shuffle=`, `drop_last=` (data.*), `run_dir=`, `run_name=`,
     `overwrite=`; `distributed_config={...}` sets `distributed.*`; `overrides=[...]` takes
@@ -92,7 +95,9 @@ class Trainer:
                  validation_prompts: Optional[Sequence[str]] = None,
                  validation_chosen: Optional[Sequence[str]] = None,
                  validation_rejected: Optional[Sequence[str]] = None,
-                 task: Union[str, Task, None] = None, **kwargs: Any):
+                 task: Union[str, Task, None] = None,
+                 reward_functions: Optional[Sequence[Union[Callable, str]]] = None,
+                 **kwargs: Any):
         finetune: list[str] = []
         self.given: Union[Task, TaskRecords, None] = None
         if task is not None and not isinstance(task, str):  # a Task object of the user's own
@@ -119,6 +124,10 @@ class Trainer:
         elif (model is None) != (train_data is None):
             raise ConfigError("pass model= (a factory returning an nn.Module) and train_data= (a "
                               "map-style dataset) together, or neither")
+        if reward_functions is not None:  # by name: the workers import them
+            from .tasks.rewards import reward_name
+            finetune.append("rl.reward_functions=" + _dot_value(
+                [f if isinstance(f, str) else reward_name(f) for f in reward_functions]))
         if cfg is None:
             cfg = TrainConfig.from_yaml(None, finetune or (["run.name=custom"]
                                                            if model is not None else []))
@@ -126,6 +135,7 @@ class Trainer:
             cfg = cfg.with_overrides(finetune)
         sections = {**{k: "trainer" for k in TrainConfig().trainer.__dataclass_fields__},
                     **{k: "optim" for k in TrainConfig().optim.__dataclass_fields__},
+                    **{k: "rl" for k in TrainConfig().rl.__dataclass_fields__},
                     "run_dir": "run.dir", "run_name": "run.name", "overwrite": "run.overwrite",
                     "optimizer": "optim.name", "shuffle": "data.shuffle",
                     "drop_last": "data.drop_last"}

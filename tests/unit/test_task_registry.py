@@ -20,22 +20,24 @@ from paratrain.tasks.user import UserTask
 
 def test_the_built_in_formats_and_what_they_are():
     assert registry.names() == ("packed", "padded", "pairs", "chat", "classify", "preference",
-                                "embedding")
+                                "embedding", "prompts")
     assert registry.names(pretrained=True) == ("pairs", "chat", "classify", "preference",
-                                               "embedding")
+                                               "embedding", "prompts")
     assert [registry.get(n).packed for n in ("packed", "padded")] == [True, False]
     from paratrain.tasks.sft import ChatTask, PairsTask
     from paratrain.tasks.classify import ClassifyTask
     from paratrain.tasks.pretraining import LMTask
     from paratrain.tasks.preference import DPOTask
     from paratrain.tasks.embedding import EmbeddingTask
+    from paratrain.tasks.grpo import GRPOTask
     assert [registry.get(n).load() for n in registry.names()] == \
-        [LMTask, LMTask, PairsTask, ChatTask, ClassifyTask, DPOTask, EmbeddingTask]
+        [LMTask, LMTask, PairsTask, ChatTask, ClassifyTask, DPOTask, EmbeddingTask, GRPOTask]
 
 
 def test_an_unknown_format_names_the_registered_ones():
     with pytest.raises(ConfigError, match="data.format='dpo' is not one of: packed, padded, "
-                                          "pairs, chat, classify, preference, embedding"):
+                                          "pairs, chat, classify, preference, embedding, "
+                                          "prompts"):
         TrainConfig.from_yaml(None, ["data.format=dpo"])
 
 
@@ -46,7 +48,8 @@ def test_records_are_recognised_by_their_fields():
     assert registry.recognize({"prompt": "a", "chosen": "b", "rejected": "c"}).name == \
         "preference"
     assert registry.recognize({"anchor": "a", "positive": "b"}).name == "embedding"
-    assert registry.recognize({"prompt": "a"}).name == "pairs"  # the default: its encoder says
+    assert registry.recognize({"prompt": "a"}).name == "prompts"  # online RL
+    assert registry.recognize({"question": "a"}).name == "pairs"  # the default: its encoder says
 
 
 def test_the_registry_is_free_of_torch():

@@ -10,9 +10,6 @@ from .sections import (
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
-    DPOConfig,
-    EmbeddingConfig,
-    KTOConfig,
     LogConfig,
     LoraConfig,
     ModelConfig,
@@ -21,9 +18,10 @@ from .sections import (
     RunConfig,
     TrainerConfig,
 )
+from .objectives import DPOConfig, EmbeddingConfig, KTOConfig
+from .rl import RLConfig
 from .tree import TrainConfig
 
-__all__ = ["CheckpointConfig", "DataConfig", "DistributedConfig", "DPOConfig", "EmbeddingConfig", "KTOConfig",
-           "LogConfig",
-           "LoraConfig", "ModelConfig", "OptimConfig", "PlanConfig", "RunConfig", "TrainConfig",
-           "TrainerConfig"]
+__all__ = ["CheckpointConfig", "DataConfig", "DistributedConfig", "DPOConfig", "EmbeddingConfig",
+           "KTOConfig", "LogConfig", "LoraConfig", "ModelConfig", "OptimConfig", "PlanConfig",
+           "RLConfig", "RunConfig", "TrainConfig", "TrainerConfig"]

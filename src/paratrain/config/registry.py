@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
 from .model_folder import model_config
+from .rl import check_rl
 
 
 @dataclass(frozen=True)
@@ -318,3 +319,15 @@ register(TaskSpec(
     generate="paratrain.tasks.seq2seq:generate_seq2seq",
     summary="a pretrained encoder-decoder model (T5, BART) on input->output pairs, the loss on "
             "the outputs"))
+register(TaskSpec(
+    "prompts", "paratrain.tasks.grpo:GRPOTask", pretrained=True, objective="grpo",
+    record_fields=("prompt",), checks=(check_rl,),
+    generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as in training
+    summary="online RL (GRPO): a pretrained causal LM samples completions of prompts and learns "
+            "from their rewards (rl.*)"))
+register(TaskSpec(
+    "prompts", "paratrain.tasks.ppo:PPOTask", pretrained=True, objective="ppo",
+    record_fields=("prompt",), checks=(check_rl,),
+    generate="paratrain.models.hf:generate_hf_reply",
+    summary="online RL (PPO): a pretrained causal LM with a value head learns from the rewards "
+            "of its own completions (rl.*)"))

@@ -1,7 +1,8 @@
-"""The sections of the configuration tree (run, model, data, trainer, optim, dpo, checkpoint,
-distributed, log, plan): typed dataclasses that OmegaConf checks. The docstring under each field
-is that key's one description: `paratrain config show`, the unknown-key error and the docs'
-Config keys page are made from it (config/docs.py). tree.py joins them into `TrainConfig`.
+"""The sections of the configuration tree (run, model, data, trainer, optim, checkpoint,
+distributed, log, plan; dpo, kto and embedding in objectives.py, rl in rl.py): typed
+dataclasses that OmegaConf checks. The docstring under each field is that key's one
+description: `paratrain config show`, the unknown-key error and the docs' Config keys page are
+made from it (config/docs.py). tree.py joins them into `TrainConfig`.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class DataConfig:
     format: str = "packed"
     """What the data is and what is trained: packed (contiguous windows of text) | padded (one
     document per row, pads ignored by the loss) | pairs (input -> output) | chat (messages) |
-    classify (text -> label) | preference (prompt, chosen, rejected: DPO or a reward model)."""
+    classify (text -> label) | preference (prompt, chosen, rejected: DPO or a reward model) |
+    prompts (prompts alone: online RL, trainer.objective=grpo or ppo)."""
     pack: bool = False
     """pairs / chat: several examples per row (refused for now: examples are padded to the
     longest of each micro-batch instead)."""
@@ -128,7 +130,7 @@ class DataConfig:
     messages_field: str = "messages"
     """chat: the field with [{role, content}, ...]; the loss counts the assistant turns."""
     prompt_field: str = "prompt"
-    """preference: the prompt's field (text, or chat messages)."""
+    """preference / prompts: the prompt's field (text, or chat messages)."""
     chosen_field: str = "chosen"
     """preference: the preferred response's field."""
     rejected_field: str = "rejected"
@@ -224,7 +226,7 @@ class TrainerConfig:
     objective: str = "auto"
     """What data.format trains: auto (the format's first) | lm | sft | classify | setfit
     (classify data) | dpo | kto | reward (preference data) | seq2seq (pairs on an
-    encoder-decoder model) | embedding."""
+    encoder-decoder model) | embedding | grpo | ppo (prompts; rl.*)."""
 
 
 @dataclass
@@ -268,51 +270,6 @@ class OptimConfig:
     def floor_lr(self) -> float:
         """min_lr, or lr / 10 when unset."""
         return self.lr / 10 if self.min_lr is None else self.min_lr
-
-
-@dataclass
-class DPOConfig:
-    """Direct preference optimization (trainer.objective=dpo); see tasks/preference.py."""
-    beta: float = 0.1
-    """How far the policy may move from the reference."""
-    loss: str = "sigmoid"
-    """sigmoid (the DPO paper) | ipo (TRL's: log-probs averaged per token) | ipo_sum (summed
-    log-probs) | hinge."""
-    label_smoothing: float = 0.0
-    """sigmoid: the assumed share of flipped labels (cDPO)."""
-    reference: Optional[str] = None
-    """A model folder; null: the policy's start (with LoRA: the policy with its adapters off)."""
-    precompute_reference: bool = False
-    """Compute the reference log-probs once, before training (cached), instead of holding the
-    reference model."""
-
-
-@dataclass
-class KTOConfig:
-    """Kahneman-Tversky optimization (trainer.objective=kto); see tasks/kto.py. The reference
-    is chosen as DPO's: a frozen copy, LoRA's adapters off, or dpo.reference."""
-    beta: float = 0.1
-    """How far the policy may move from the reference."""
-    desirable_weight: float = 1.0
-    """The weight of a desirable example's loss."""
-    undesirable_weight: float = 1.0
-    """The weight of an undesirable example's loss."""
-
-
-@dataclass
-class EmbeddingConfig:
-    """Sentence-embedding models (data.format=embedding); see tasks/embedding.py."""
-    pooling: str = "mean"
-    """mean | cls | last (the last real token: decoder models)."""
-    scale: float = 20.0
-    """Similarities x scale are the logits of the in-batch-negatives loss."""
-    symmetric: bool = False
-    """Also score each positive against every anchor (sentence-transformers'
-    MultipleNegativesSymmetricRankingLoss)."""
-    normalize: bool = False
-    """Save the model with a Normalize module (unit-length embeddings)."""
-    pair_iterations: int = 20
-    """trainer.objective=setfit: rounds of pairs drawn per text (one same-label, one other)."""
 
 
 @dataclass

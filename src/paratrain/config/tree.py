@@ -24,13 +24,12 @@ from .checks import validate
 from .defaults import default_run_name, resolve_max_length, resolve_tokenizer
 from .docs import suggest_key, unknown_key_message
 from .registry import TaskSpec, for_config
+from .objectives import DPOConfig, EmbeddingConfig, KTOConfig
+from .rl import RLConfig
 from .sections import (
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
-    DPOConfig,
-    EmbeddingConfig,
-    KTOConfig,
     LogConfig,
     ModelConfig,
     OptimConfig,
@@ -60,6 +59,7 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     log: LogConfig = field(default_factory=LogConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

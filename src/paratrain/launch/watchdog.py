@@ -37,7 +37,7 @@ from ..dist import DistEnv
 from ..errors import ParatrainError, TrainingError
 
 # Within one step, the order in which a rank passes these; "behind" compares (step, micro, phase).
-PHASES = ("setup", "data", "forward", "backward", "optimizer", "eval")
+PHASES = ("setup", "data", "rollout", "forward", "backward", "optimizer", "eval")
 
 
 class Progress:

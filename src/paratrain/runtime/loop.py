@@ -154,10 +154,14 @@ class TrainLoop:
         micro = [next(batches) for _ in range(self.plan.accum)]
         out.window.wait(time.perf_counter() - t_data)
         self.figures.data_wait_s += time.perf_counter() - t_data
+        micro, rolled = self._rollout(micro)
+        t_learn = time.perf_counter()
         result = self._train_step(micro)
+        if rolled:  # online RL: the step's time split into generation, scoring and learning
+            rolled["learning_s"] = time.perf_counter() - t_learn
         st.loss_sum += result.loss_sum
         st.count += result.units
-        st.counts = add_counts(st.counts, result.counts)
+        st.counts = add_counts(st.counts, {**result.counts, **rolled})
         st.step += 1
         if self.recorder is not None:  # every rank's sample ids of this step
             ids = self.env.gather_objects(self.recorder.pop() if self.counts_sums else [])
@@ -165,6 +169,16 @@ class TrainLoop:
         out.window.add(result.global_units)
         self.figures.units += result.global_units
         return result
+
+    def _rollout(self, micro: list[Any]) -> tuple[list[Any], dict]:
+        """A task that learns from its own samples (online RL, tasks/grpo.py) turns the step's
+        prompts into scored completions first (`rollout`), with figures summed like `counts`."""
+        rollout = getattr(self.task, "rollout", None)
+        if rollout is None:
+            return micro, {}
+        self.progress.at(self.state.step + 1, "rollout")
+        amp = self.plan.parallelism.autocast(self.plan.precision, self.env.device)
+        return rollout(self.model, micro, self.state.step, self.env, amp, self.frozen)
 
     def _log(self, result: StepResult, evaluate: bool, out: _Outputs) -> None:
         """A log line: the window's loss over every rank (and the task's training figures),
@@ -184,7 +198,9 @@ class TrainLoop:
             self.record_evaluation(last["val_loss"])
         out.metrics.write(last)
         st.last = last
-        out.bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}")
+        shown = {k.rpartition("/")[2]: f"{last[k]:.3g}"  # the task's own (online RL: reward
+                 for k in getattr(self.task, "progress_keys", ()) if k in last}  # and times)
+        out.bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}", **shown)
 
     def _epoch_memory(self, bar: ProgressBar) -> None:
         """trainer.verbose: the memory table at the end of each epoch but the last."""

@@ -1,0 +1,153 @@
+"""The rewards of online RL (grpo.py): functions `f(prompts, completions) -> list[float]`, named
+`module:function` in rl.reward_functions (the Python API passes the functions, which it names
+so), and reward models (rl.reward_models: reward_models.py), summed with rl.reward_weights;
+and the group-relative advantages GRPO learns from.
+
+A reward function that raises, returns another number of scores than completions, or a score
+that is not a finite number stops the run with one line naming it: nothing is trained on it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import ConfigError, TrainingError
+from ..formatting import first_line
+from .reward_models import RewardModelScorer, reward_model_key
+
+RewardFn = Callable[[list, list], Sequence[float]]
+
+
+def reward_name(fn: Callable) -> str:
+    """`module:function` of a function defined at a module's top level (what the config holds);
+    one ConfigError line for a lambda or a function inside another."""
+    name = f"{fn.__module__}:{fn.__qualname__}"
+    if "<" in fn.__qualname__ or "." in fn.__qualname__:
+        raise ConfigError(f"reward function {name} cannot be found by name in the worker "
+                          "processes; define it at the top level of a module (not a lambda or "
+                          "a function inside another function)")
+    return name
+
+
+def load_reward(name: str) -> RewardFn:
+    """The function of `module:function`, or one ConfigError line saying why not. A module
+    next to the command is found as `python -m` finds it (the console script would not)."""
+    module, _, attr = name.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"rl.reward_functions: cannot import {name} ({type(e).__name__}: "
+                          f"{first_line(e)}); put its module on PYTHONPATH or next to the "
+                          "command") from None
+    if not callable(fn):
+        raise ConfigError(f"rl.reward_functions: {name} is not a function")
+    return fn
+
+
+def short_name(name: str) -> str:
+    """The function's own name: how TRL's metrics name it (rewards/<name>/mean)."""
+    return name.rpartition(":")[2]
+
+
+@dataclass
+class Rewards:
+    """The run's reward functions, then its reward models (folders, reward_models.py), and one
+    weight for each, in that order."""
+    names: list[str]
+    weights: list[float]
+    models: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.scorers = [RewardModelScorer(m) for m in self.models]
+
+    @classmethod
+    def of(cls, rl: Any) -> "Rewards":
+        names, models = list(rl.reward_functions), list(rl.reward_models)
+        for name in names:
+            load_reward(name)  # before any worker starts: a typo costs a second
+        n = len(names) + len(models)
+        weights = list(rl.reward_weights) if rl.reward_weights is not None else [1.0] * n
+        return cls(names, [float(w) for w in weights], models)
+
+    @property
+    def labels(self) -> list[str]:
+        """What the figures call each reward (rewards/<label>/mean): a function's name, a
+        reward model's folder (a run's, for its model/)."""
+        return [short_name(n) for n in self.names] + [model_label(m) for m in self.models]
+
+    def score(self, prompts: list, completions: list[str], frozen: Any = None,
+              device: Any = "cpu", amp: Any = None) -> torch.Tensor:
+        """(N, F) each reward's score of each completion (prompts: one per completion); the
+        reward models are the run's frozen models `reward_model_<i>`."""
+        columns = [self._call(name, prompts, completions) for name in self.names]
+        for i, scorer in enumerate(self.scorers):
+            columns.append(scorer.score(frozen[reward_model_key(i)], prompts, completions,
+                                        device, amp or nullcontext()))
+        return torch.tensor(columns, dtype=torch.float64).T.contiguous()  # (N, F)
+
+    def _call(self, name: str, prompts: list, completions: list[str]) -> list[float]:
+        fn = load_reward(name)
+        try:
+            scores = list(fn(prompts, completions))
+        except Exception as e:
+            raise TrainingError(f"reward function {name} raised {type(e).__name__}: "
+                                f"{first_line(e)}") from None
+        if len(scores) != len(completions):
+            raise TrainingError(f"reward function {name} returned {len(scores)} scores for "
+                                f"{len(completions)} completions; return one float each")
+        try:
+            values = [float(s) for s in scores]
+        except (TypeError, ValueError):
+            bad = next(s for s in scores if not _is_number(s))
+            raise TrainingError(f"reward function {name} returned {bad!r}, not a number; return "
+                                "one float per completion") from None
+        if not all(math.isfinite(v) for v in values):
+            bad = next(v for v in values if not math.isfinite(v))
+            raise TrainingError(f"reward function {name} returned {bad} for a completion; "
+                                "rewards must be finite numbers (nothing was trained on it)")
+        return values
+
+    def total(self, per_function: torch.Tensor) -> torch.Tensor:
+        """(N, F) -> (N,) the weighted sum."""
+        return per_function @ torch.tensor(self.weights, dtype=per_function.dtype)
+
+
+def model_label(folder: str) -> str:
+    path = Path(folder)
+    return path.parent.name if path.name == "model" else path.name
+
+
+def _is_number(x: Any) -> bool:
+    try:
+        float(x)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def group_advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
+    """(N,) rewards of N/group prompts' completions (a prompt's `group` rows together) ->
+    (N,) advantages: each reward less its group's mean, divided by the group's std ("group"),
+    the batch's ("batch") or not at all ("none"), + 1e-4; as TRL 1.16 GRPOTrainer
+    (_generate_and_score_completions, sum_then_normalize). The std is unbiased (TRL's nanstd).
+    "batch" here is the rank's batch (TRL: the generation batch over all processes)."""
+    grouped = rewards.view(-1, group)  # (B, G)
+    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # (N,)
+    if scale == "group":
+        std = grouped.std(dim=1).repeat_interleave(group)  # (N,)
+    elif scale == "batch":
+        std = rewards.std().expand_as(rewards)  # (N,)
+    else:
+        return advantages
+    return advantages / (std + 1e-4)
