@@ -130,6 +130,24 @@ def test_jsonl_source_builds(tmp_path):
     assert p.meta["num_docs"]["train"] + p.meta["num_docs"]["val"] == 30
 
 
+def test_a_save_to_disk_folder_is_trained_on_its_rows(tmp_path):
+    """The cache holds the dataset's rows (text_field), and the log names the .arrow files."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"content": f"def row_{i}(): return {i}\n" * (1 + i % 3), "n": i} for i in range(40)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), max_shard_size=500)
+    logs = []
+    p = prepare_data(cfg_for(tmp_path / "saved", text_field="content"), tmp_path / "c",
+                     log=logs.append)
+    assert p.meta["kind"] == "arrow" and sum(p.meta["num_docs"].values()) == 40
+    assert any(line.startswith("data: 40 documents") and " arrow files (" in line
+               and ".arrow" in line for line in logs), logs
+    tok, docs = p.tokenizer(), []
+    for split in ("train", "val"):
+        tokens, offsets = np.fromfile(p.tokens_path(split), p.dtype), np.load(p.offsets_path(split))
+        docs += [tok.decode(tokens[a:b - 1].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+    assert sorted(docs) == sorted(r["content"] for r in rows)
+
+
 def test_stdlib_slice(tmp_path):
     cfg = DataConfig(source="stdlib", vocab_size=1024, max_bytes=1_500_000)
     logs = []

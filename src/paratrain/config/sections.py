@@ -101,7 +101,8 @@ class DataConfig:
     """stdlib (the Python standard library's source files) | a text file | a directory | a glob
     ('data/*.txt') | a .jsonl / .parquet / .csv file | a `datasets.save_to_disk` folder."""
     text_field: str = "text"
-    """The field holding the text: .jsonl / .parquet corpora, and the text to label for classify."""
+    """The field holding the text: .jsonl / .parquet / save_to_disk corpora, and the text to
+    label for classify."""
     label_field: str = "label"
     """classify: the label's field (strings get ids in sorted order; integers are ids)."""
     seq_length: int = 256

@@ -179,7 +179,7 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
     is_val = _split_mask(len(sizes), cfg.val_fraction)  # (n_docs,) bool
     text_bytes = sum(sizes)
     log(f"data: {len(sizes)} documents, {text_bytes / 1e6:.1f} MB of text from "
-        f"{corpus.num_files} files ({corpus.kind}); {int(is_val.sum())} held out for validation")
+        f"{corpus.describe()}; {int(is_val.sum())} held out for validation")
 
     # Pass 2: a pretrained tokenizer is used as it is; one of ours is trained on training
     # documents only, so validation stays unseen text.

@@ -13,11 +13,13 @@ import json
 import os
 import sysconfig
 from dataclasses import dataclass
+from collections import Counter
 from pathlib import Path
 from typing import Iterator, Optional
 
 from ..errors import DataError
 from .rows import iter_jsonl
+from .saved_dataset import arrow_files, column_batches, is_saved_dataset
 
 # Suffixes we read as plain text when `data.source` is a directory (a glob takes what it matches).
 TEXT_SUFFIXES = frozenset({
@@ -27,18 +29,21 @@ TEXT_SUFFIXES = frozenset({
     ".swift", ".kt", ".scala", ".hs", ".ml", ".json", ".yaml", ".yml", ".toml", ".ini", ".cfg",
     ".xml", ".html", ".htm", ".css", ".csv", ".tsv", ".log", ".org", ".asciidoc", ".adoc",
 })
-_KIND_SUFFIXES = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
+_KIND_SUFFIXES = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet",
+                  ".arrow": "arrow"}
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-_SOURCE_HELP = "give a text file, a directory, a glob, a .jsonl/.parquet file, or 'stdlib'"
+_SOURCE_HELP = ("give a text file, a directory, a glob, a .jsonl/.parquet file, a "
+                "datasets.save_to_disk folder, or 'stdlib'")
 
 
 @dataclass(frozen=True)
 class Corpus:
     source: str  # what the user wrote in data.source
     files: tuple[str, ...]  # sorted absolute paths
-    kind: str  # "text" | "jsonl" | "parquet"
+    kind: str  # "text" | "jsonl" | "parquet" | "arrow" (a save_to_disk folder's streams)
     text_field: str = "text"
     max_bytes: Optional[int] = None
+    left_out: int = 0  # files of a directory that were not read (other suffixes or kinds)
 
     def documents(self) -> Iterator[str]:
         """Non-empty documents in file order, cut off after max_bytes (UTF-8) of text.
@@ -75,9 +80,21 @@ class Corpus:
     def num_files(self) -> int:
         return len(self.files)
 
+    def describe(self) -> str:
+        """Which files were read, for the log: "3 files (2 .txt, 1 .json)", and their names when
+        there are few, so that a folder read wrongly shows it at once."""
+        suffixes = Counter(_suffix(f) for f in self.files)
+        counts = ", ".join(f"{n} {suffix}" for suffix, n in suffixes.most_common())
+        names = f": {', '.join(os.path.basename(f) for f in self.files)}" \
+            if len(self.files) <= 3 else ""
+        left_out = f"; {self.left_out} other files left out" if self.left_out else ""
+        return f"{self.num_files} {self.kind} file{'s' if self.num_files != 1 else ''} " \
+               f"({counts}{names}{left_out})"
+
     # ---- readers ---------------------------------------------------------------------------
     def _raw_documents(self) -> Iterator[str]:
-        reader = {"text": _read_text, "jsonl": self._read_jsonl, "parquet": self._read_parquet}
+        reader = {"text": _read_text, "jsonl": self._read_jsonl, "parquet": self._read_parquet,
+                  "arrow": self._read_arrow}
         for path in self.files:
             yield from reader[self.kind](path)
 
@@ -118,6 +135,12 @@ class Corpus:
                                     "column")
                 yield value or ""
 
+    def _read_arrow(self, path: str) -> Iterator[str]:
+        where = f"data.source={self.source!r}"
+        for values in column_batches(path, self.text_field, where):
+            for value in values:
+                yield self._field({self.text_field: value}, path)
+
 
 def _read_text(path: str) -> Iterator[str]:
     # errors="replace": one latin-1 file in a directory of code must not stop a run.
@@ -144,9 +167,11 @@ def resolve_corpus(source: str, text_field: str = "text",
     if path.is_file():
         files = _sorted_abs([str(path)])
         return Corpus(source, files, _suffix_kind(str(path)) or "text", text_field, max_bytes)
+    if path.is_dir() and is_saved_dataset(path):  # streamed, never its .json metadata
+        return Corpus(source, arrow_files(path, "data.source"), "arrow", text_field, max_bytes)
     if path.is_dir():
-        files, kind = _dir_files(source, path)
-        return Corpus(source, files, kind, text_field, max_bytes)
+        files, kind, left_out = _dir_files(source, path)
+        return Corpus(source, files, kind, text_field, max_bytes, left_out)
     raise DataError(f"data.source={source!r} does not exist; {_SOURCE_HELP}")
 
 
@@ -162,24 +187,26 @@ def _stdlib_files() -> tuple[str, ...]:
     return _sorted_abs(found)
 
 
-def _dir_files(source: str, root: Path) -> tuple[tuple[str, ...], str]:
-    """Text files if there are any; else a directory of .jsonl or of .parquet files."""
-    text, data = [], []
+def _dir_files(source: str, root: Path) -> tuple[tuple[str, ...], str, int]:
+    """(files, kind, how many others were left out): text files if there are any; else a
+    directory of .jsonl or of .parquet files."""
+    text, data, seen = [], [], 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
         for name in filenames:
             if name.startswith("."):
                 continue
             full = os.path.join(dirpath, name)
+            seen += 1
             if _suffix_kind(name):
                 data.append(full)
             elif os.path.splitext(name)[1].lower() in TEXT_SUFFIXES:
                 text.append(full)
     if text:
-        return _sorted_abs(text), "text"
+        return _sorted_abs(text), "text", seen - len(text)
     if data:
         files = _sorted_abs(data)
-        return files, _kind_of(source, files)
+        return files, _kind_of(source, files), seen - len(data)
     raise DataError(f"data.source={source!r} is a directory with no text files (looked for "
                     f"{', '.join(sorted(TEXT_SUFFIXES)[:8])}, ... and .jsonl/.parquet); "
                     + _SOURCE_HELP)
@@ -200,6 +227,12 @@ def _kind_of(source: str, files: tuple[str, ...]) -> str:
         raise DataError(f"data.source={source!r} mixes {' and '.join(sorted(kinds))} files; "
                         "point it at one kind (for example a glob like data/*.jsonl)")
     return kinds.pop()
+
+
+def _suffix(path: str) -> str:
+    lower = path.lower()
+    return next((s for s in _KIND_SUFFIXES if lower.endswith(s)), None) \
+        or os.path.splitext(lower)[1] or "no suffix"
 
 
 def _sorted_abs(paths: list[str]) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence
 
 from ..errors import ConfigError, DataError
+from .saved_dataset import is_saved_dataset, read_saved_rows
 
 Row = Dict[str, Any]
 _FORMATS_HELP = ("give a .jsonl, .json, .parquet, .csv or .tsv file, or a datasets.save_to_disk "
@@ -175,17 +176,7 @@ def _dataset_rows(dataset: Any, what: str) -> List[Row]:
 
 
 def _disk_dataset_rows(path: Path, source: str, what: str) -> List[Row]:
-    if not ((path / "dataset_info.json").is_file() or (path / "state.json").is_file()
-            or (path / "dataset_dict.json").is_file()):
+    if not is_saved_dataset(path):
         raise DataError(f"{what}={source!r} is a directory but not a datasets.save_to_disk "
                         f"folder; {_FORMATS_HELP}")
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(f"{what}={source!r} is a datasets folder, which needs the datasets "
-                          "package; pip install datasets") from None
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        raise ConfigError(f"{what}={source!r} holds splits {', '.join(loaded.keys())}; point "
-                          f"it at one of them, e.g. {os.path.join(source, next(iter(loaded)))}")
-    return loaded.to_list()
+    return read_saved_rows(path, what)
