@@ -186,8 +186,10 @@ class TrainerConfig:
     """Optimizer steps per metrics.jsonl line and log line."""
     eval_every: int = 100
     """Optimizer steps between evaluations on the validation data."""
-    eval_samples: Optional[int] = None
-    """Evaluate on the first N validation windows (null: all)."""
+    eval_samples: Optional[int] = 1024
+    """Evaluate on the first N held-out samples (windows, rows or examples): a bound that keeps
+    each evaluation short on a large corpus (the log says when it leaves samples out); null:
+    every held-out sample once, whatever its size."""
     verbose: bool = False
     """A memory table per rank at start, after each epoch and at the end."""
     activation_checkpointing: bool = False
