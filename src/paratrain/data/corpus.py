@@ -15,7 +15,7 @@ import sysconfig
 from dataclasses import dataclass
 from collections import Counter
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional, Tuple
 
 from ..errors import DataError
 from .rows import iter_jsonl
@@ -50,20 +50,22 @@ class Corpus:
 
         The cut is exact and depends only on the sorted file list, so two processes that read
         the same corpus see the same documents (the train/val split relies on it)."""
-        budget = self.max_bytes
-        for doc in self._raw_documents():
-            if not doc:
-                continue
-            if budget is not None:
-                raw = doc.encode("utf-8")
-                if len(raw) >= budget:
-                    # errors="ignore" drops a character split by the cut instead of mangling it.
-                    tail = raw[:budget].decode("utf-8", errors="ignore")
-                    if tail:
-                        yield tail
-                    return
-                budget -= len(raw)
-            yield doc
+        whole = ((doc, True) for path in self.files for doc in self.file_documents(path) if doc)
+        for doc, _ in budgeted(whole, self.max_bytes):
+            if doc:  # a cut that leaves nothing of its document
+                yield doc
+
+    def file_documents(self, path: str, part: Optional[int] = None) -> Iterator[str]:
+        """The documents of one file (empty ones included): a parquet file's row group `part`,
+        an .arrow file's record batch `part`, or all of them (None)."""
+        if self.kind == "text":
+            yield from _read_text(path)
+        elif self.kind == "jsonl":
+            yield from self._read_jsonl(path)
+        elif self.kind == "parquet":
+            yield from self._read_parquet(path, part)
+        else:
+            yield from self._read_arrow(path, part)
 
     def fingerprint(self) -> str:
         """Changes when any file changes (size or mtime) or the reading options do.
@@ -92,12 +94,6 @@ class Corpus:
                f"({counts}{names}{left_out})"
 
     # ---- readers ---------------------------------------------------------------------------
-    def _raw_documents(self) -> Iterator[str]:
-        reader = {"text": _read_text, "jsonl": self._read_jsonl, "parquet": self._read_parquet,
-                  "arrow": self._read_arrow}
-        for path in self.files:
-            yield from reader[self.kind](path)
-
     def _read_jsonl(self, path: str) -> Iterator[str]:
         for lineno, record in iter_jsonl(path, f"data.source={self.source!r}: {path}"):
             yield self._field(record, f"{path}:{lineno}")
@@ -116,7 +112,7 @@ class Corpus:
                             "to a text field")
         return value
 
-    def _read_parquet(self, path: str) -> Iterator[str]:
+    def _read_parquet(self, path: str, row_group: Optional[int] = None) -> Iterator[str]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
@@ -127,7 +123,9 @@ class Corpus:
             raise DataError(f"data.source={self.source!r}: {path} has no column "
                             f"{self.text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                             "set data.text_field to the column that holds the text")
-        for batch in pf.iter_batches(batch_size=1024, columns=[self.text_field]):
+        groups = None if row_group is None else [row_group]
+        for batch in pf.iter_batches(batch_size=1024, columns=[self.text_field],
+                                     row_groups=groups):
             for value in batch.column(0).to_pylist():
                 if value is not None and not isinstance(value, str):
                     raise DataError(f"data.source={self.source!r}: column {self.text_field!r} "
@@ -135,11 +133,29 @@ class Corpus:
                                     "column")
                 yield value or ""
 
-    def _read_arrow(self, path: str) -> Iterator[str]:
+    def _read_arrow(self, path: str, batch: Optional[int] = None) -> Iterator[str]:
         where = f"data.source={self.source!r}"
-        for values in column_batches(path, self.text_field, where):
+        for values in column_batches(path, self.text_field, where, batch):
             for value in values:
                 yield self._field({self.text_field: value}, path)
+
+
+def budgeted(fragments: Iterable[Tuple[str, bool]],
+             budget: Optional[int]) -> Iterator[Tuple[str, bool]]:
+    """(text, ends its document) fragments, cut off after `budget` bytes of UTF-8 text (None:
+    all): the fragment that reaches the budget is cut at that byte (a character split by the
+    cut is dropped) and ends its document there. The one home of data.max_bytes' cut."""
+    for text, ends in fragments:
+        if budget is None:
+            yield text, ends
+            continue
+        raw = text.encode("utf-8")
+        if len(raw) >= budget:
+            # errors="ignore" drops a character split by the cut instead of mangling it.
+            yield raw[:budget].decode("utf-8", errors="ignore"), True
+            return
+        budget -= len(raw)
+        yield text, ends
 
 
 def _read_text(path: str) -> Iterator[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 from ..errors import ConfigError, DataError
 
@@ -54,9 +54,10 @@ def _ipc():
     return pa
 
 
-def column_batches(path: str, column: str, what: str) -> Iterator[List[Any]]:
+def column_batches(path: str, column: str, what: str,
+                   only: Optional[int] = None) -> Iterator[List[Any]]:
     """The values of one column of one .arrow stream file, one record batch at a time (memory
-    mapped: only the batch being converted is in RAM)."""
+    mapped: only the batch being converted is in RAM); `only`: just that batch."""
     pa = _ipc()
     with pa.memory_map(path) as source:
         reader = pa.ipc.open_stream(source)
@@ -65,8 +66,11 @@ def column_batches(path: str, column: str, what: str) -> Iterator[List[Any]]:
                             f"{', '.join(reader.schema.names)}); set data.text_field to the "
                             "column that holds the text")
         index = reader.schema.get_field_index(column)
-        for batch in reader:
-            yield batch.column(index).to_pylist()
+        for i, batch in enumerate(reader):
+            if only is None or i == only:
+                yield batch.column(index).to_pylist()
+            if i == only:
+                return
 
 
 def batch_count(path: str) -> int:
