@@ -99,7 +99,8 @@ class DataConfig:
     """What is read, how it is tokenized, and how it becomes rows and batches."""
     source: str = "stdlib"
     """stdlib (the Python standard library's source files) | a text file | a directory | a glob
-    ('data/*.txt') | a .jsonl / .parquet / .csv file | a `datasets.save_to_disk` folder."""
+    ('data/*.txt') | a .jsonl / .parquet / .csv file | a `datasets.save_to_disk` folder | a
+    folder of token ids (.bin) with a meta.json: {"vocab_size": N, "eos_id": E}."""
     text_field: str = "text"
     """The field holding the text: .jsonl / .parquet / save_to_disk corpora, and the text to
     label for classify."""

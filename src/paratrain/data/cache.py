@@ -37,6 +37,7 @@ from ..config.sections import DataConfig
 from ..errors import DataError
 from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus
+from .pretokenized import is_pretokenized, load_tokens
 from .preparation import Fragments, count_fragments, encode_shards, training_texts
 from .progress import Ticker
 from .shards import Workers, chunk_jobs, default_processes, workers
@@ -60,7 +61,7 @@ PRETRAINED_DIR = "tokenizer"  # where a pretrained tokenizer's files go in a cac
 @dataclass(frozen=True)
 class PreparedData:
     dir: Path
-    tokenizer_path: Path
+    tokenizer_path: Optional[Path]  # None: pre-tokenized shards without a tokenizer.json
     meta: dict  # vocab_size, num_docs/num_tokens/shards {train, val}, dtype, special ids, ...
 
     def tokenizer(self) -> Tokenizer:
@@ -78,8 +79,10 @@ class PreparedData:
     def num_tokens(self, split: str) -> int:
         return int(self.meta["num_tokens"][_check_split(split)])
 
-    def num_docs(self, split: str) -> int:
-        return int(self.meta["num_docs"][_check_split(split)])
+    def num_docs(self, split: str) -> Optional[int]:
+        """None: pre-tokenized shards without an offsets file (packed windows need none)."""
+        n = self.meta["num_docs"][_check_split(split)]
+        return None if n is None else int(n)
 
     @property
     def dtype(self) -> np.dtype:
@@ -127,6 +130,14 @@ def load_prepared(path: str | os.PathLike) -> PreparedData:
                         meta=meta)
 
 
+def _pretokenized(cfg: DataConfig, packed: bool) -> PreparedData:
+    meta = load_tokens(cfg.source, packed)
+    folder = Path(os.path.expanduser(cfg.source)).resolve()
+    tokenizer = meta["tokenizer_file"]
+    return PreparedData(dir=folder, tokenizer_path=folder / tokenizer if tokenizer else None,
+                        meta=meta)
+
+
 def cache_path(cfg: DataConfig, cache_root: str | os.PathLike) -> Path:
     """Where the cache for this config lives (resolves the corpus: stats every file)."""
     corpus = resolve_corpus(cfg.source, cfg.text_field, cfg.max_bytes)
@@ -142,6 +153,14 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
     words differ, the cache is the same. `processes`: how many processes encode (None: one
     per core, or this one alone for a small corpus); the cache is the same bytes whatever it
     is."""
+    if is_pretokenized(cfg.source):
+        prepared = _pretokenized(cfg, packed)
+        n = prepared.meta["num_tokens"]
+        log(f"data: {cfg.source} is tokenized already: {n['train']:,} training and "
+            f"{n['val']:,} validation ids in {len(prepared.meta['shards']['train'])} + "
+            f"{len(prepared.meta['shards']['val'])} shards, vocabulary {prepared.vocab_size}, "
+            f"EOS {prepared.meta['eot_id']}")
+        return prepared
     corpus = resolve_corpus(cfg.source, cfg.text_field, cfg.max_bytes)
     fingerprint = data_fingerprint(cfg, corpus)
     final = Path(cache_root) / "data" / fingerprint
@@ -169,6 +188,8 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
 def wait_for_data(cfg: DataConfig, cache_root: str | os.PathLike, timeout_s: float,
                   poll_s: float = 0.2) -> PreparedData:
     """For processes that must not build: wait for the builder's meta.json to appear."""
+    if is_pretokenized(cfg.source):
+        return _pretokenized(cfg, packed=True)  # the launching process checked the format
     final = cache_path(cfg, cache_root)
     deadline = time.monotonic() + timeout_s
     while not (final / "meta.json").is_file():
