@@ -12,8 +12,8 @@ import hashlib
 import json
 import os
 import sysconfig
-from dataclasses import dataclass
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Tuple
 

@@ -32,8 +32,8 @@ from .corpus import Corpus
 from .tokenizer import Tokenizer
 from .units import Unit, chunk_fragments
 
-SMALL_CORPUS_BYTES = 32 * 2**20  # below this, a pool's start-up costs more than it saves
-ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: bounds a process's memory
+SMALL_CORPUS_BYTES = 8 * 2**20  # below this, starting a pool costs more than it saves
+ENCODE_BATCH_BYTES = 2**20  # text per encode_batch call: ~150 MB of a process's memory (units.py)
 
 
 @dataclass(frozen=True)
