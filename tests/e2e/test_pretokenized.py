@@ -63,3 +63,6 @@ def test_a_token_folder_must_say_what_its_ids_are(tmp_path):
     p = prepare_data(cfg, tmp_path / "c", log=lambda m: None)
     assert p.tokens("train")[:].tolist() == list(range(10)) and p.tokens("val")[:].tolist() == [1, 2]
     assert p.tokenizer_path is None and p.num_docs("train") is None
+    (folder / "meta.json").unlink()
+    (folder / "notes.txt").write_text("a stray .bin in a folder of text leaves it text")
+    assert prepare_data(cfg, tmp_path / "c", log=lambda m: None).meta["kind"] == "text"

@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import DataError
+from .corpus import TEXT_SUFFIXES
 from .tokenizer import TOKENIZER_FILE
 
 META = "meta.json"
@@ -35,9 +36,14 @@ def token_files(folder: Path) -> list[Path]:
 
 
 def is_pretokenized(source: str) -> bool:
-    """A directory of .bin token files (and no text a corpus would read)."""
+    """A directory of .bin token files with a meta.json, or with no file a text corpus would
+    read (a stray .bin in a folder of text leaves it a text corpus)."""
     folder = Path(os.path.expanduser(source))
-    return folder.is_dir() and bool(token_files(folder))
+    if not folder.is_dir() or not token_files(folder):
+        return False
+    return (folder / META).is_file() or not any(
+        p.suffix.lower() in TEXT_SUFFIXES or p.suffix.lower() in (".jsonl", ".parquet")
+        for p in folder.rglob("*") if p.is_file())
 
 
 def load_tokens(source: str, packed: bool) -> dict:
