@@ -58,20 +58,26 @@ def count_fragments(jobs: List[ChunkJob], max_bytes: Optional[int], pool: Worker
     done = [0]
     sizes, ends = [], []
     kept = list(jobs)
+    # with data.max_bytes, chunks go out a few at a time: the pool stops soon after the cut
+    wave = len(jobs) if max_bytes is None else 2 * pool.processes
     with Ticker(log, lambda s: f"reading: {done[0] / 1e6:.1f} of about {total / 1e6:.1f} MB "
                                f"({100 * done[0] / max(total, 1):.0f}%), {s:.0f} s so far"):
         before = 0
-        for k, (s, e) in enumerate(pool.imap(count, [(job,) for job in jobs])):
-            if max_bytes is not None and before + int(s.sum()) >= max_bytes:
-                kept = jobs[:k] + [replace(jobs[k], budget=max_bytes - before)]
-                s, e = count(kept[-1])
+        for first in range(0, len(jobs), max(wave, 1)):
+            batch = [(job,) for job in jobs[first:first + wave]]
+            for k, (s, e) in enumerate(pool.imap(count, batch), start=first):
+                if max_bytes is not None and before + int(s.sum()) >= max_bytes:
+                    kept = jobs[:k] + [replace(jobs[k], budget=max_bytes - before)]
+                    s, e = count(kept[-1])
+                    sizes.append(s)
+                    ends.append(e)
+                    break
+                before += int(s.sum())
+                done[0] += sum(u.nbytes for u in jobs[k].units)
                 sizes.append(s)
                 ends.append(e)
+            if len(kept) < len(jobs):
                 break
-            before += int(s.sum())
-            done[0] += sum(u.nbytes for u in jobs[k].units)
-            sizes.append(s)
-            ends.append(e)
     return kept, Fragments(np.concatenate(sizes) if sizes else np.zeros(0, np.int64),
                            np.concatenate(ends) if ends else np.zeros(0, bool),
                            [len(s) for s in sizes])
