@@ -2,6 +2,7 @@
 after another (bitwise), whatever the work units: many small files, one very large document cut
 in pieces; and a preparation killed half-way publishes nothing."""
 
+import json
 import os
 import signal
 import subprocess
@@ -124,3 +125,19 @@ def test_a_killed_preparation_publishes_nothing(tmp_path):
     assert len(left) == 1 and ".tmp-" in left[0]  # only the private temp dir, never published
     assert list((data / left[0]).glob("train-*.bin"))  # killed half-way through encoding
     assert not (data / left[0] / "meta.json").exists()
+
+
+def test_a_long_jsonl_file_in_parts(tmp_path, monkeypatch):
+    """A 400 KB .jsonl read in ~20 parts cut between lines (\\r\\n ones too), on two processes."""
+    stdlib = resolve_corpus("stdlib", max_bytes=350_000)
+    src = tmp_path / "corpus.jsonl"
+    with open(src, "w", encoding="utf-8", newline="") as f:
+        for i, doc in enumerate(stdlib.documents()):
+            f.write(json.dumps({"text": doc}) + ("\r\n" if i % 2 else "\n"))
+            f.write("\n" if i % 7 == 0 else "")  # blank lines are skipped, wherever they fall
+    monkeypatch.setattr("paratrain.data.cache.plan_units",
+                        lambda c, pieces: units_mod.plan_units(c, pieces, 20_000))
+    cfg = DataConfig(source=str(src), vocab_size=512, val_fraction=0.1)
+    assert len(units_mod.plan_units(resolve_corpus(str(src)), False, 20_000)) >= 18
+    prepared = prepare_data(cfg, tmp_path / "c", log=lambda m: None, processes=2)
+    assert_same_stream(prepared, resolve_corpus(str(src)), cfg.val_fraction)

@@ -55,13 +55,15 @@ class Corpus:
             if doc:  # a cut that leaves nothing of its document
                 yield doc
 
-    def file_documents(self, path: str, part: Optional[int] = None) -> Iterator[str]:
+    def file_documents(self, path: str, part: Optional[int] = None,
+                       byte_range: Optional[Tuple[int, int]] = None) -> Iterator[str]:
         """The documents of one file (empty ones included): a parquet file's row group `part`,
-        an .arrow file's record batch `part`, or all of them (None)."""
+        an .arrow file's record batch `part`, the lines of a .jsonl in `byte_range`, or all of
+        them (None)."""
         if self.kind == "text":
             yield from _read_text(path)
         elif self.kind == "jsonl":
-            yield from self._read_jsonl(path)
+            yield from self._read_jsonl(path, byte_range)
         elif self.kind == "parquet":
             yield from self._read_parquet(path, part)
         else:
@@ -94,9 +96,12 @@ class Corpus:
                f"({counts}{names}{left_out})"
 
     # ---- readers ---------------------------------------------------------------------------
-    def _read_jsonl(self, path: str) -> Iterator[str]:
-        for lineno, record in iter_jsonl(path, f"data.source={self.source!r}: {path}"):
-            yield self._field(record, f"{path}:{lineno}")
+    def _read_jsonl(self, path: str, byte_range: Optional[Tuple[int, int]] = None
+                    ) -> Iterator[str]:
+        where = f"data.source={self.source!r}: {path}"
+        for lineno, record in iter_jsonl(path, where, byte_range):
+            yield self._field(record, f"{path}:{lineno}" if byte_range is None else
+                              f"{path}:{lineno} of the part from byte {byte_range[0]}")
 
     def _field(self, record: object, where: str) -> str:
         if not isinstance(record, dict) or self.text_field not in record:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import csv
 import gzip
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError, DataError
 from .saved_dataset import is_saved_dataset, read_saved_rows
@@ -107,11 +108,21 @@ def _path_rows(source: str, what: str) -> List[Row]:
     raise DataError(f"{what}={source!r} has an unknown suffix; {_FORMATS_HELP}")
 
 
-def iter_jsonl(path: str | Path, where: str) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(path: str | Path, where: str,
+               byte_range: Optional[Tuple[int, int]] = None) -> Iterator[tuple[int, Any]]:
     """(line number, JSON value) of each non-blank line of a .jsonl (or .jsonl.gz) file; a line
-    that is not JSON is a DataError naming `where` and the line. Corpora read it too."""
-    opener = gzip.open if str(path).lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+    that is not JSON is a DataError naming `where` and the line. Corpora read it too, a part
+    of a long file at a time (`byte_range`, cut after a newline: line numbers count from it)."""
+    if byte_range is not None:
+        with open(path, "rb") as raw:
+            raw.seek(byte_range[0])
+            part = raw.read(byte_range[1] - byte_range[0])
+        f = io.TextIOWrapper(io.BytesIO(part), encoding="utf-8", errors="replace")
+        where = f"{where} (the part from byte {byte_range[0]})"
+    else:
+        opener = gzip.open if str(path).lower().endswith(".gz") else open
+        f = opener(path, "rt", encoding="utf-8", errors="replace")
+    with f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue

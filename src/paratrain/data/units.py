@@ -1,7 +1,7 @@
 """Work units: a corpus cut into pieces that processes can read and encode independently.
 
-A unit is a file, a parquet row group, a record batch of a save_to_disk .arrow file, or a
-piece of a long text file. Units are grouped into chunks of consecutive units (a chunk is what
+A unit is a file, a parquet row group, a record batch of a save_to_disk .arrow file, a part of
+a long .jsonl file (whole lines), or a piece of a long text file. Units are grouped into chunks of consecutive units (a chunk is what
 one process reads or encodes at a time, and one token shard), so the work is parallel whatever
 the document sizes: a corpus of a few huge files and one of many small ones both give every
 process chunks of about the same size.
@@ -57,8 +57,9 @@ def plan_units(corpus: Corpus, pieces: bool, piece_bytes: int = PIECE_BYTES) -> 
         elif corpus.kind == "arrow":
             n = batch_count(path)
             units += [Unit(i, b, 1, size // max(n, 1)) for b in range(n)]
-        elif corpus.kind == "text" and pieces and size > piece_bytes:
-            n = math.ceil(size / piece_bytes)
+        elif size > piece_bytes and (corpus.kind == "text" and pieces or corpus.kind ==
+                                      "jsonl" and not path.lower().endswith(".gz")):
+            n = math.ceil(size / piece_bytes)  # a long .jsonl is cut between its lines
             units += [Unit(i, k, n, piece_bytes, piece_bytes) for k in range(n)]
         else:
             units.append(Unit(i, 0, 1, size))
@@ -100,6 +101,11 @@ def chunk_fragments(corpus: Corpus, chunk: Sequence[Unit], cutter: Any = None,
 
 def unit_fragments(corpus: Corpus, unit: Unit, checker: Any = None) -> Iterator[Fragment]:
     path = corpus.files[unit.file]
+    if unit.parts > 1 and corpus.kind == "jsonl":
+        for doc in corpus.file_documents(path, byte_range=_line_range(path, unit)):
+            if doc:
+                yield doc, True
+        return
     if unit.parts > 1:
         yield from _piece(path, unit, checker)
         return
@@ -122,6 +128,29 @@ def _piece(path: str, unit: Unit, checker: Any) -> Iterator[Fragment]:
     text = raw.decode("utf-8", errors="replace")  # cuts follow a newline: a character boundary
     if text or last:
         yield text, last
+
+
+def _line_range(path: str, unit: Unit) -> Tuple[int, int]:
+    """Part `unit.part` of a long .jsonl file: from the first line that starts at or after its
+    nominal start to the first that starts at or after the next part's."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        bounds = [_line_start(f, k * unit.piece_bytes, size)
+                  for k in (unit.part, unit.part + 1)]
+    return bounds[0], size if unit.part == unit.parts - 1 else bounds[1]
+
+
+def _line_start(f: Any, pos: int, size: int) -> int:
+    if pos == 0:
+        return 0
+    f.seek(pos - 1)
+    while True:
+        buf = f.read(_SCAN)
+        i = buf.find(b"\n")
+        if i != -1:
+            return f.tell() - len(buf) + i + 1
+        if not buf:
+            return size
 
 
 def find_cut(f: Any, pos: int, checker: Any) -> int:
