@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 
+from paratrain.data import load_prepared
 from tests.conftest import cli_error, corpus_texts, read_metrics, run_cli, tiny_overrides
 
 transformers = pytest.importorskip("transformers")
@@ -39,7 +40,7 @@ def test_hf_model_on_a_corpus_uses_its_own_tokenizer(tmp_path, hf_llama, corpus_
     assert meta["eot_id"] == hf.eos_token_id >= 384  # its own ids, not [EOT]'s 2
     texts, seen = set(corpus_texts(corpus_dir)), 0
     for split in ("train", "val"):
-        tokens = np.fromfile(prepared / f"{split}.bin", dtype=meta["dtype"])
+        tokens = load_prepared(prepared).tokens(split)[:]
         offsets = np.load(prepared / f"{split}_offsets.npy")
         for a, b in zip(offsets[:-1], offsets[1:]):
             ids = tokens[a:b].tolist()

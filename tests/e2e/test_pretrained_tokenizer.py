@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from paratrain.data import load_prepared
 from tests.conftest import (
     cli_run,
     corpus_texts,
@@ -66,7 +67,7 @@ def test_trains_and_the_cache_holds_the_tokenizers_encoding(run, tokenizers, cor
     texts = set(corpus_texts(corpus_dir))
     seen = 0
     for split in ("train", "val"):
-        tokens = np.fromfile(prepared / f"{split}.bin", dtype=meta["dtype"])
+        tokens = load_prepared(prepared).tokens(split)[:]
         offsets = np.load(prepared / f"{split}_offsets.npy")
         for a, b in zip(offsets[:-1], offsets[1:]):
             ids = tokens[a:b].tolist()

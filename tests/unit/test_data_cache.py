@@ -44,7 +44,7 @@ def test_build_layout_and_round_trip(tmp_path):
     tok = p.tokenizer()
     docs = []
     for split in ("train", "val"):
-        tokens = np.fromfile(p.tokens_path(split), dtype=np.uint16)
+        tokens = p.tokens(split)[:]
         offsets = np.load(p.offsets_path(split))
         assert len(offsets) == m["num_docs"][split] + 1 and offsets[-1] == len(tokens)
         assert len(tokens) == m["num_tokens"][split]
@@ -100,7 +100,7 @@ def test_split_is_deterministic(tmp_path):
     a = prepare_data(cfg_for(src, val_fraction=0.2), tmp_path / "c1", log=quiet)
     b = prepare_data(cfg_for(src, val_fraction=0.2), tmp_path / "c2", log=quiet)
     for split in ("train", "val"):
-        assert a.tokens_path(split).read_bytes() == b.tokens_path(split).read_bytes()
+        assert (a.tokens(split)[:] == b.tokens(split)[:]).all()
 
 
 def test_tiny_corpus_still_gets_a_val_doc_and_char_tokenizer(tmp_path):
@@ -128,6 +128,24 @@ def test_jsonl_source_builds(tmp_path):
     f.write_text("\n".join(json.dumps({"text": f"sample {i} " * 20}) for i in range(30)))
     p = prepare_data(cfg_for(f), tmp_path / "c", log=quiet)
     assert p.meta["num_docs"]["train"] + p.meta["num_docs"]["val"] == 30
+
+
+def test_a_save_to_disk_folder_is_trained_on_its_rows(tmp_path):
+    """The cache holds the dataset's rows (text_field), and the log names the .arrow files."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"content": f"def row_{i}(): return {i}\n" * (1 + i % 3), "n": i} for i in range(40)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), max_shard_size=500)
+    logs = []
+    p = prepare_data(cfg_for(tmp_path / "saved", text_field="content"), tmp_path / "c",
+                     log=logs.append)
+    assert p.meta["kind"] == "arrow" and sum(p.meta["num_docs"].values()) == 40
+    assert any(line.startswith("data: 40 documents") and " arrow files (" in line
+               and ".arrow" in line for line in logs), logs
+    tok, docs = p.tokenizer(), []
+    for split in ("train", "val"):
+        tokens, offsets = p.tokens(split)[:], np.load(p.offsets_path(split))
+        docs += [tok.decode(tokens[a:b - 1].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+    assert sorted(docs) == sorted(r["content"] for r in rows)
 
 
 def test_stdlib_slice(tmp_path):

@@ -116,3 +116,29 @@ def test_parquet_missing_column(tmp_path):
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p.parquet")
     with pytest.raises(DataError, match=r"data.source=.*no column 'text'.*data.text_field"):
         list(resolve_corpus(str(tmp_path / "p.parquet")).documents())
+
+
+def test_a_folder_that_mixes_text_with_metadata_says_which_files_it_read(tmp_path):
+    write(tmp_path / "a.txt", "one")
+    write(tmp_path / "b.txt", "two")
+    write(tmp_path / "notes.json", "{}")
+    write(tmp_path / "weights.bin", "x")
+    assert resolve_corpus(str(tmp_path)).describe() == \
+        "3 text files (2 .txt, 1 .json: a.txt, b.txt, notes.json; 1 other files left out)"
+
+
+def test_a_save_to_disk_folder_is_streamed_as_a_dataset(tmp_path):
+    """Its .arrow rows, in order, never its state.json / dataset_info.json ("2 documents")."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"body": f"row {i} " * (i + 1), "id": i} for i in range(30)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), max_shard_size=200)
+    c = resolve_corpus(str(tmp_path / "saved"), text_field="body")
+    assert c.kind == "arrow" and len(c.files) > 1 and c.describe().startswith(f"{len(c.files)} arrow")
+    assert list(c.documents()) == [r["body"] for r in rows]
+    with pytest.raises(DataError, match="has no column 'text'.*set data.text_field"):
+        list(resolve_corpus(str(tmp_path / "saved")).documents())
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(
+        str(tmp_path / "dict"))
+    with pytest.raises(DataError, match=r"holds the splits train; point it at one of them, "
+                                        r"e\.g\. .*dict/train"):
+        resolve_corpus(str(tmp_path / "dict"))

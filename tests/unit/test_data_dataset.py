@@ -25,7 +25,7 @@ def prepared(tmp_path_factory):
 def test_packed_windows_are_contiguous_and_shifted(prepared):
     L = 16
     ds = PackedDataset(prepared, "train", L)
-    stream = np.fromfile(prepared.train_tokens, dtype=np.uint16).astype(np.int64)
+    stream = prepared.tokens("train")[:].astype(np.int64)
     assert len(ds) == (len(stream) - 1) // L
     for i in range(len(ds)):
         x, y = ds[i]["input_ids"], ds[i]["targets"]
@@ -42,8 +42,8 @@ def test_padded_rows(prepared):
     L = 40
     ds = PaddedDataset(prepared, "train", L, bot_id=1, eot_id=2, pad_id=0)
     assert len(ds) == prepared.meta["num_docs"]["train"]
-    offsets = np.load(prepared.train_offsets)
-    stream = np.fromfile(prepared.train_tokens, dtype=np.uint16).astype(np.int64)
+    offsets = np.load(prepared.offsets_path("train"))
+    stream = prepared.tokens("train")[:].astype(np.int64)
     saw_short = saw_cut = False
     for i in range(len(ds)):
         s = ds[i]
@@ -73,8 +73,8 @@ def test_padded_split_keeps_every_token_of_long_documents(prepared):
     L = 16
     cut = PaddedDataset(prepared, "train", L, bot_id=1, eot_id=2, pad_id=0)
     ds = PaddedDataset(prepared, "train", L, bot_id=1, eot_id=2, pad_id=0, overflow="split")
-    offsets = np.load(prepared.train_offsets)
-    stream = np.fromfile(prepared.train_tokens, dtype=np.uint16).astype(np.int64)
+    offsets = np.load(prepared.offsets_path("train"))
+    stream = prepared.tokens("train")[:].astype(np.int64)
     lengths = np.diff(offsets)
     assert len(ds) == sum(-(-n // L) for n in lengths) > len(cut) == len(lengths)
     n_long, extra = cut.overflow_summary()
@@ -112,7 +112,7 @@ def test_build_dataset_collate_and_pickle(prepared):
     packed = build_dataset(prepared, "train", DataConfig(seq_length=8), packed=True)
     packed[0]  # opens the memmap
     clone = pickle.loads(pickle.dumps(packed))
-    assert clone._tokens is None and torch.equal(clone[3]["targets"], packed[3]["targets"])
+    assert clone.tokens._maps == {} and torch.equal(clone[3]["targets"], packed[3]["targets"])
     loader = torch.utils.data.DataLoader(packed, batch_size=4, collate_fn=collate)
     first = next(iter(loader))
     assert first["input_ids"].shape == (4, 8) and "attention_mask" not in first

@@ -102,7 +102,7 @@ def test_cache_holds_the_tokenizers_ids_and_its_files(tmp_path, llama_like):
     assert p.tokenizer().kind == "pretrained"
     docs = {}
     for split in ("train", "val"):
-        tokens = np.fromfile(p.tokens_path(split), dtype=p.dtype)
+        tokens = p.tokens(split)[:]
         offsets = np.load(p.offsets_path(split))
         for a, b in zip(offsets[:-1], offsets[1:]):
             assert tokens[b - 1] == hf.eos_token_id

@@ -215,15 +215,15 @@ def test_sources_parquet_list_and_errors(tmp_path):
 def test_datasets_folder(tmp_path, monkeypatch):
     folder = tmp_path / "saved"
     folder.mkdir()
-    (folder / "dataset_info.json").write_text("{}")
-    monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(ConfigError, match="pip install datasets"):
+    (folder / "notes.txt").write_text("{}")
+    with pytest.raises(DataError, match="not a datasets.save_to_disk folder"):
         read_rows(str(folder), what="data.train")
-    monkeypatch.undo()
     datasets = pytest.importorskip("datasets")
     dataset = datasets.Dataset.from_list(ROWS)
     dataset.save_to_disk(str(tmp_path / "real"))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # read with pyarrow alone
     assert read_rows(str(tmp_path / "real"), what="data.train") == ROWS
+    monkeypatch.undo()
     assert read_rows(dataset, what="train") == ROWS
 
 

@@ -100,9 +100,11 @@ class DataConfig:
     """What is read, how it is tokenized, and how it becomes rows and batches."""
     source: str = "stdlib"
     """stdlib (the Python standard library's source files) | a text file | a directory | a glob
-    ('data/*.txt') | a .jsonl / .parquet / .csv file | a `datasets.save_to_disk` folder."""
+    ('data/*.txt') | a .jsonl / .parquet / .csv file | a `datasets.save_to_disk` folder | a
+    folder of token ids (.bin) with a meta.json: {"vocab_size": N, "eos_id": E}."""
     text_field: str = "text"
-    """The field holding the text: .jsonl / .parquet corpora, and the text to label for classify."""
+    """The field holding the text: .jsonl / .parquet / save_to_disk corpora, and the text to
+    label for classify."""
     label_field: str = "label"
     """classify: the label's field (strings get ids in sorted order; integers are ids)."""
     seq_length: int = 256
@@ -187,8 +189,10 @@ class TrainerConfig:
     """Optimizer steps per metrics.jsonl line and log line."""
     eval_every: int = 100
     """Optimizer steps between evaluations on the validation data."""
-    eval_samples: Optional[int] = None
-    """Evaluate on the first N validation windows (null: all)."""
+    eval_samples: Optional[int] = 1024
+    """Evaluate on the first N held-out samples (windows, rows or examples): a bound that keeps
+    each evaluation short on a large corpus (the log says when it leaves samples out); null:
+    every held-out sample once, whatever its size."""
     verbose: bool = False
     """A memory table per rank at start, after each epoch and at the end."""
     activation_checkpointing: bool = False

@@ -3,15 +3,19 @@
 Layout of `<cache_root>/data/<fingerprint>/`:
     tokenizer.json                 the trained tokenizer, or with data.tokenizer=DIR:
     tokenizer/                     the pretrained tokenizer's files, copied byte for byte
-    train.bin, val.bin             flat token ids (uint16, or uint32 for vocabularies > 65536);
-                                   every document is followed by one [EOT] (a pretrained
+    train-00000.bin, ...           token shards, one per chunk of the corpus and split (written in
+    val-00000.bin, ...             parallel: shards.py), flat ids (uint16, or uint32 for
+                                   vocabularies > 65536); in order they are the split's token
+                                   stream, every document followed by one [EOT] (a pretrained
                                    tokenizer's EOS)
-    train_offsets.npy, val_...     int64 start of each document in the .bin, plus the end (n+1)
-    meta.json                      written last: its presence means the rest is complete
+    train_offsets.npy, val_...     int64 start of each document in the stream, plus the end (n+1)
+    meta.json                      the index (`shards`: each split's shards and their token
+                                   counts, in order), written last: it means the rest is complete
 
 A cache is built in a private temp dir and renamed into place, so a reader never sees half of one
-and two racing builders both end up using whichever finished first. Windows (seq_length) and the
-packed/padded format are cut at load time, so changing them reuses the cache.
+(a killed preparation leaves only its temp dir) and two racing builders both end up using
+whichever finished first. Windows (seq_length) and the packed/padded format are cut at load
+time, so changing them reuses the cache.
 """
 
 from __future__ import annotations
@@ -21,11 +25,10 @@ import json
 import os
 import secrets
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -34,41 +37,52 @@ from ..config.sections import DataConfig
 from ..errors import DataError
 from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus
-from .tokenizer import TOKENIZER_FILE, Tokenizer, copy_tokenizer_files, tokenizer_files_fingerprint
+from .pretokenized import is_pretokenized, load_tokens
+from .preparation import Fragments, count_fragments, encode_shards, training_texts
+from .progress import Ticker
+from .shards import Workers, chunk_jobs, default_processes, workers
+from .token_stream import TokenStream
+from .tokenizer import (
+    TOKENIZER_FILE,
+    Tokenizer,
+    copy_tokenizer_files,
+    pre_tokenizer_for,
+    tokenizer_files_fingerprint,
+)
+from .units import group_chunks, piece_cutter, plan_units
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: token shards and an index (meta.json's shards)
 SPLIT_SEED = 20240611  # fixed: the train/val split must not move when the training seed does
 TOKENIZER_TRAIN_BYTES = 64 * 2**20  # BPE trains on at most this much text (~15 s on 2 cores)
-ENCODE_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: bounds memory, keeps cores busy
 SPLITS = ("train", "val")
-PROGRESS_EVERY_S = 5.0  # a stage that runs longer says how far it is, this often
 PRETRAINED_DIR = "tokenizer"  # where a pretrained tokenizer's files go in a cache
 
 
 @dataclass(frozen=True)
 class PreparedData:
     dir: Path
-    tokenizer_path: Path
-    train_tokens: Path
-    train_offsets: Path
-    val_tokens: Path
-    val_offsets: Path
-    meta: dict  # vocab_size, num_docs/num_tokens {train, val}, dtype, special ids, fingerprint...
+    tokenizer_path: Optional[Path]  # None: pre-tokenized shards without a tokenizer.json
+    meta: dict  # vocab_size, num_docs/num_tokens/shards {train, val}, dtype, special ids, ...
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.load(self.tokenizer_path)
 
-    def tokens_path(self, split: str) -> Path:
-        return {"train": self.train_tokens, "val": self.val_tokens}[_check_split(split)]
+    def tokens(self, split: str) -> TokenStream:
+        """The split's token ids, its shards read by memory map as one array."""
+        shards = self.meta["shards"][_check_split(split)]
+        return TokenStream([self.dir / name for name, _ in shards], [n for _, n in shards],
+                           self.dtype)
 
     def offsets_path(self, split: str) -> Path:
-        return {"train": self.train_offsets, "val": self.val_offsets}[_check_split(split)]
+        return self.dir / f"{_check_split(split)}_offsets.npy"
 
     def num_tokens(self, split: str) -> int:
         return int(self.meta["num_tokens"][_check_split(split)])
 
-    def num_docs(self, split: str) -> int:
-        return int(self.meta["num_docs"][_check_split(split)])
+    def num_docs(self, split: str) -> Optional[int]:
+        """None: pre-tokenized shards without an offsets file (packed windows need none)."""
+        n = self.meta["num_docs"][_check_split(split)]
+        return None if n is None else int(n)
 
     @property
     def dtype(self) -> np.dtype:
@@ -113,8 +127,15 @@ def load_prepared(path: str | os.PathLike) -> PreparedData:
                         "again to rebuild")
     meta = json.loads(meta_path.read_text())
     return PreparedData(dir=d, tokenizer_path=d / meta.get("tokenizer_file", TOKENIZER_FILE),
-                        train_tokens=d / "train.bin", train_offsets=d / "train_offsets.npy",
-                        val_tokens=d / "val.bin", val_offsets=d / "val_offsets.npy", meta=meta)
+                        meta=meta)
+
+
+def _pretokenized(cfg: DataConfig, packed: bool) -> PreparedData:
+    meta = load_tokens(cfg.source, packed)
+    folder = Path(os.path.expanduser(cfg.source)).resolve()
+    tokenizer = meta["tokenizer_file"]
+    return PreparedData(dir=folder, tokenizer_path=folder / tokenizer if tokenizer else None,
+                        meta=meta)
 
 
 def cache_path(cfg: DataConfig, cache_root: str | os.PathLike) -> Path:
@@ -124,11 +145,22 @@ def cache_path(cfg: DataConfig, cache_root: str | os.PathLike) -> Path:
 
 
 def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
-                 log: Callable[[str], None] = print, packed: bool = True) -> PreparedData:
+                 log: Callable[[str], None] = print, packed: bool = True,
+                 processes: Optional[int] = None) -> PreparedData:
     """Reuse the cache for this config, or build it. Call on one process per node (local rank
     0, or one per shared filesystem); the others call `wait_for_data`. `packed`: whether the
     task cuts the corpus into full windows (its TaskSpec), else padded rows: only the log's
-    words differ, the cache is the same."""
+    words differ, the cache is the same. `processes`: how many processes encode (None: one
+    per core, or this one alone for a small corpus); the cache is the same bytes whatever it
+    is."""
+    if is_pretokenized(cfg.source):
+        prepared = _pretokenized(cfg, packed)
+        n = prepared.meta["num_tokens"]
+        log(f"data: {cfg.source} is tokenized already: {n['train']:,} training and "
+            f"{n['val']:,} validation ids in {len(prepared.meta['shards']['train'])} + "
+            f"{len(prepared.meta['shards']['val'])} shards, vocabulary {prepared.vocab_size}, "
+            f"EOS {prepared.meta['eot_id']}")
+        return prepared
     corpus = resolve_corpus(cfg.source, cfg.text_field, cfg.max_bytes)
     fingerprint = data_fingerprint(cfg, corpus)
     final = Path(cache_root) / "data" / fingerprint
@@ -141,7 +173,7 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
     tmp = final.parent / f"{fingerprint}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        _build(cfg, corpus, fingerprint, tmp, log, packed)
+        _build(cfg, corpus, fingerprint, tmp, log, packed, processes)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -156,6 +188,8 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
 def wait_for_data(cfg: DataConfig, cache_root: str | os.PathLike, timeout_s: float,
                   poll_s: float = 0.2) -> PreparedData:
     """For processes that must not build: wait for the builder's meta.json to appear."""
+    if is_pretokenized(cfg.source):
+        return _pretokenized(cfg, packed=True)  # the launching process checked the format
     final = cache_path(cfg, cache_root)
     deadline = time.monotonic() + timeout_s
     while not (final / "meta.json").is_file():
@@ -169,44 +203,48 @@ def wait_for_data(cfg: DataConfig, cache_root: str | os.PathLike, timeout_s: flo
 
 # ---- building ------------------------------------------------------------------------------
 def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
-           log: Callable[[str], None], packed: bool) -> None:
-    # Pass 1: count documents. Streaming three passes over the files keeps memory bounded by a
-    # batch, not the corpus; the reads are cheap next to tokenization.
-    sizes = [len(doc.encode("utf-8")) for doc in corpus.documents()]
-    if not sizes:
-        raise DataError(f"data.source={cfg.source!r} holds no text (every document is empty); "
-                        "point it at files with content")
-    is_val = _split_mask(len(sizes), cfg.val_fraction)  # (n_docs,) bool
-    text_bytes = sum(sizes)
-    log(f"data: {len(sizes)} documents, {text_bytes / 1e6:.1f} MB of text from "
-        f"{corpus.num_files} files ({corpus.kind}); {int(is_val.sum())} held out for validation")
-
-    # Pass 2: a pretrained tokenizer is used as it is; one of ours is trained on training
-    # documents only, so validation stays unseen text.
+           log: Callable[[str], None], packed: bool, processes: Optional[int]) -> None:
+    # A pretrained tokenizer is known first: whether long documents may be cut depends on it.
     pretrained = pretrained_dir(cfg)
-    if pretrained is not None:
-        tokenizer_file = f"{PRETRAINED_DIR}/{TOKENIZER_FILE}"
-        tokenizer, note = Tokenizer.from_pretrained(pretrained)
-        (out / PRETRAINED_DIR).mkdir()
-        copy_tokenizer_files(pretrained, out / PRETRAINED_DIR)
-        log(f"tokenizer: pretrained, {tokenizer.vocab_size} tokens, from {pretrained} (documents "
-            f"end with id {tokenizer.eot_id}, padded rows start with {tokenizer.bot_id})"
-            + (f"; {note}" if note and not packed else ""))
-    else:
-        tokenizer_file = TOKENIZER_FILE
-        tokenizer = _train_tokenizer(cfg, corpus, sizes, is_val, log)
-        tokenizer.save(out / tokenizer_file)
+    kind = resolve_tokenizer(cfg)
+    tokenizer, note = Tokenizer.from_pretrained(pretrained) if pretrained is not None \
+        else (None, "")
+    cutter = piece_cutter(tokenizer.hf) if tokenizer is not None else pre_tokenizer_for(kind)
+    units = plan_units(corpus, pieces=cutter is not None)
+    total = sum(u.nbytes for u in units)
+    processes = processes or default_processes(min(total, corpus.max_bytes or total))
+    jobs = chunk_jobs(corpus, group_chunks(units, processes, corpus.max_bytes), cutter)
+    with workers(processes) as pool:
+        # Pass 1: count documents (their sizes pick the tokenizer's training text).
+        jobs, frags = count_fragments(jobs, corpus.max_bytes, pool, log)
+        doc_sizes = frags.doc_sizes()
+        sizes = doc_sizes[doc_sizes > 0]
+        if not len(sizes):
+            raise DataError(f"data.source={cfg.source!r} holds no text (every document is "
+                            "empty); point it at files with content")
+        is_val = _split_mask(len(sizes), cfg.val_fraction)  # (n_docs,) bool
+        text_bytes = int(sizes.sum())
+        log(f"data: {len(sizes)} documents, {text_bytes / 1e6:.1f} MB of text from "
+            f"{corpus.describe()}; {int(is_val.sum())} held out for validation")
 
-    # Pass 3: tokenize everything, appending each split's ids to its .bin.
-    t0 = time.perf_counter()
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
-    done = [0]  # text bytes tokenized so far, updated by the loop below
-    with _Ticker(log, lambda s: f"tokenizing: {done[0] / 1e6:.1f} of {text_bytes / 1e6:.1f} MB "
-                                f"({100 * done[0] / max(text_bytes, 1):.0f}%), {s:.0f} s so far"):
-        stats = _tokenize_to_disk(corpus, is_val, tokenizer, dtype, out, done)
-    total = sum(s["tokens"] for s in stats.values())
-    log(f"tokenized {text_bytes / 1e6:.1f} MB -> {total / 1e6:.2f}M tokens in "
-        f"{time.perf_counter() - t0:.1f} s")
+        # Pass 2: a pretrained tokenizer is used as it is; one of ours is trained on training
+        # documents only, so validation stays unseen text.
+        if tokenizer is not None:
+            tokenizer_file = f"{PRETRAINED_DIR}/{TOKENIZER_FILE}"
+            (out / PRETRAINED_DIR).mkdir()
+            copy_tokenizer_files(pretrained, out / PRETRAINED_DIR)
+            log(f"tokenizer: pretrained, {tokenizer.vocab_size} tokens, from {pretrained} "
+                f"(documents end with id {tokenizer.eot_id}, padded rows start with "
+                f"{tokenizer.bot_id})" + (f"; {note}" if note and not packed else ""))
+        else:
+            tokenizer_file = TOKENIZER_FILE
+            tokenizer = _train_tokenizer(cfg, jobs, frags, sizes, is_val, pool, log)
+            tokenizer.save(out / tokenizer_file)
+
+        # Pass 3: every chunk's ids into shards of its own, in parallel.
+        dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
+        stats = encode_shards(jobs, frags, is_val, tokenizer, out / tokenizer_file, dtype, out,
+                              pool, log)
 
     meta = {
         "version": FORMAT_VERSION, "fingerprint": fingerprint, "source": cfg.source,
@@ -218,21 +256,22 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
         "val_fraction": cfg.val_fraction,
         "num_docs": {s: stats[s]["docs"] for s in SPLITS},
         "num_tokens": {s: stats[s]["tokens"] for s in SPLITS},
+        "shards": {s: stats[s]["shards"] for s in SPLITS},
     }
     atomic_write_json(out / "meta.json", meta, sort_keys=True)  # last: marks the directory complete
 
 
-def _train_tokenizer(cfg: DataConfig, corpus: Corpus, sizes: List[int], is_val: np.ndarray,
-                     log: Callable[[str], None]) -> Tokenizer:
+def _train_tokenizer(cfg: DataConfig, jobs: list, frags: Fragments, sizes: np.ndarray,
+                     is_val: np.ndarray, pool: Workers, log: Callable[[str], None]) -> Tokenizer:
     t0 = time.perf_counter()
     kind = resolve_tokenizer(cfg)  # bpe or char
-    keep = ~is_val if kind == "char" else \
-        _spread_subsample(np.asarray(sizes), ~is_val, TOKENIZER_TRAIN_BYTES)
-    trained_on = int(np.asarray(sizes)[keep].sum())
-    with _Ticker(log, lambda s: f"tokenizer: training {kind} on "
-                                f"{trained_on / 1e6:.1f} MB of text, {s:.0f} s so far"):
-        tokenizer = Tokenizer.train_char(_select(corpus, keep)) if kind == "char" \
-            else Tokenizer.train_bpe(_select(corpus, keep), cfg.vocab_size)
+    keep = ~is_val if kind == "char" else _spread_subsample(sizes, ~is_val, TOKENIZER_TRAIN_BYTES)
+    trained_on = int(sizes[keep].sum())
+    texts = training_texts(jobs, frags, keep, kind == "char", pool)
+    with Ticker(log, lambda s: f"tokenizer: training {kind} on "
+                               f"{trained_on / 1e6:.1f} MB of text, {s:.0f} s so far"):
+        tokenizer = Tokenizer.train_char(texts) if kind == "char" \
+            else Tokenizer.train_bpe(texts, cfg.vocab_size)
     log(f"tokenizer: trained {tokenizer.kind} with {tokenizer.vocab_size} tokens on "
         f"{trained_on / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s")
     return tokenizer
@@ -267,70 +306,3 @@ def _spread_subsample(sizes: np.ndarray, allowed: np.ndarray, budget: int) -> np
     keep = np.zeros_like(allowed)
     keep[idx] = True
     return keep
-
-
-def _select(corpus: Corpus, mask: np.ndarray) -> Iterator[str]:
-    for i, doc in enumerate(corpus.documents()):
-        if mask[i]:
-            yield doc
-
-
-def _tokenize_to_disk(corpus: Corpus, is_val: np.ndarray, tokenizer: Tokenizer,
-                      dtype: np.dtype, out: Path, done: Optional[List[int]] = None) -> dict:
-    files = {s: open(out / f"{s}.bin", "wb") for s in SPLITS}
-    offsets = {s: [0] for s in SPLITS}
-    eot = tokenizer.eot_id
-    try:
-        batch: List[str] = []
-        splits: List[str] = []
-        batch_bytes = 0
-
-        def flush() -> None:
-            for split, ids in zip(splits, tokenizer.encode_batch(batch)):
-                ids.append(eot)  # document boundary, seen by packed windows
-                np.asarray(ids, dtype=dtype).tofile(files[split])
-                offsets[split].append(offsets[split][-1] + len(ids))
-            batch.clear()
-            splits.clear()
-
-        for i, doc in enumerate(corpus.documents()):
-            batch.append(doc)
-            splits.append("val" if is_val[i] else "train")
-            batch_bytes += len(doc)
-            if batch_bytes >= ENCODE_BATCH_BYTES:
-                flush()
-                if done is not None:
-                    done[0] += batch_bytes
-                batch_bytes = 0
-        flush()
-    finally:
-        for f in files.values():
-            f.close()
-    for s in SPLITS:
-        np.save(out / f"{s}_offsets.npy", np.asarray(offsets[s], dtype=np.int64))
-    return {s: {"docs": len(offsets[s]) - 1, "tokens": offsets[s][-1]} for s in SPLITS}
-
-
-class _Ticker:
-    """`with _Ticker(log, text):` a stage that runs longer than PROGRESS_EVERY_S logs
-    `text(seconds so far)` that often, from a thread of its own (so a stage that is one blocking
-    call, such as BPE training, is covered too); a short stage logs nothing extra."""
-
-    def __init__(self, log: Callable[[str], None], text: Callable[[float], str],
-                 every_s: float = PROGRESS_EVERY_S):
-        self.log, self.text, self.every_s = log, text, every_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="paratrain-progress", daemon=True)
-
-    def __enter__(self) -> "_Ticker":
-        self._t0 = time.perf_counter()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.log(self.text(time.perf_counter() - self._t0))

@@ -1,7 +1,7 @@
 """Map-style datasets over a PreparedData cache: packed windows or one padded document per row.
 
-The token memmap is opened lazily on first access in each process and dropped when pickled, so
-a DataLoader worker receives a few paths, not the corpus, and opens its own read-only view.
+The token shards are memory-mapped lazily in each process and dropped when pickled
+(token_stream.py), so a DataLoader worker receives a few paths, not the corpus.
 """
 
 from __future__ import annotations
@@ -19,34 +19,19 @@ IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 
 
 class _TokenFile(Dataset):
-    """Shared plumbing: one split's flat token file (and its document offsets), lazily opened."""
+    """Shared plumbing: one split's token stream (its shards, memory-mapped lazily by
+    TokenStream) and its document offsets."""
 
     def __init__(self, prepared: PreparedData, split: str, seq_length: int):
         if seq_length <= 0:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
-        self.tokens_path = prepared.tokens_path(split)
+        self.tokens = prepared.tokens(split)
         self.offsets_path = prepared.offsets_path(split)
         self.num_tokens = prepared.num_tokens(split)
         self.num_docs = prepared.num_docs(split)
         self.dtype = prepared.dtype
         self.split = split
         self.seq_length = seq_length
-        self._tokens: Optional[np.ndarray] = None
-
-    @property
-    def tokens(self) -> np.ndarray:
-        if self._tokens is None:
-            if self.num_tokens == 0:  # np.memmap refuses empty files
-                self._tokens = np.zeros(0, dtype=self.dtype)
-            else:
-                self._tokens = np.memmap(self.tokens_path, dtype=self.dtype, mode="r",
-                                         shape=(self.num_tokens,))
-        return self._tokens
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_tokens"] = None  # reopened in the receiving process
-        return state
 
     def _check_index(self, i: int) -> int:
         n = len(self)
@@ -108,7 +93,7 @@ class PaddedDataset(_TokenFile):
         return self._row_starts
 
     def __getstate__(self) -> dict:
-        state = super().__getstate__()
+        state = self.__dict__.copy()
         state["_offsets"] = state["_row_starts"] = None
         return state
 

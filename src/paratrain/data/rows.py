@@ -12,12 +12,14 @@ from __future__ import annotations
 import csv
 import gzip
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError, DataError
+from .saved_dataset import is_saved_dataset, read_saved_rows
 
 Row = Dict[str, Any]
 _FORMATS_HELP = ("give a .jsonl, .json, .parquet, .csv or .tsv file, or a datasets.save_to_disk "
@@ -106,11 +108,21 @@ def _path_rows(source: str, what: str) -> List[Row]:
     raise DataError(f"{what}={source!r} has an unknown suffix; {_FORMATS_HELP}")
 
 
-def iter_jsonl(path: str | Path, where: str) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(path: str | Path, where: str,
+               byte_range: Optional[Tuple[int, int]] = None) -> Iterator[tuple[int, Any]]:
     """(line number, JSON value) of each non-blank line of a .jsonl (or .jsonl.gz) file; a line
-    that is not JSON is a DataError naming `where` and the line. Corpora read it too."""
-    opener = gzip.open if str(path).lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+    that is not JSON is a DataError naming `where` and the line. Corpora read it too, a part
+    of a long file at a time (`byte_range`, cut after a newline: line numbers count from it)."""
+    if byte_range is not None:
+        with open(path, "rb") as raw:
+            raw.seek(byte_range[0])
+            part = raw.read(byte_range[1] - byte_range[0])
+        f = io.TextIOWrapper(io.BytesIO(part), encoding="utf-8", errors="replace")
+        where = f"{where} (the part from byte {byte_range[0]})"
+    else:
+        opener = gzip.open if str(path).lower().endswith(".gz") else open
+        f = opener(path, "rt", encoding="utf-8", errors="replace")
+    with f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -175,17 +187,7 @@ def _dataset_rows(dataset: Any, what: str) -> List[Row]:
 
 
 def _disk_dataset_rows(path: Path, source: str, what: str) -> List[Row]:
-    if not ((path / "dataset_info.json").is_file() or (path / "state.json").is_file()
-            or (path / "dataset_dict.json").is_file()):
+    if not is_saved_dataset(path):
         raise DataError(f"{what}={source!r} is a directory but not a datasets.save_to_disk "
                         f"folder; {_FORMATS_HELP}")
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(f"{what}={source!r} is a datasets folder, which needs the datasets "
-                          "package; pip install datasets") from None
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        raise ConfigError(f"{what}={source!r} holds splits {', '.join(loaded.keys())}; point "
-                          f"it at one of them, e.g. {os.path.join(source, next(iter(loaded)))}")
-    return loaded.to_list()
+    return read_saved_rows(path, what)

@@ -71,7 +71,7 @@ class Tokenizer:
         """Byte-level BPE: all 256 bytes are in the alphabet, so any text encodes and decodes
         exactly (no unknown tokens), whatever the training subset held."""
         hf = HFTokenizer(models.BPE())
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.pre_tokenizer = pre_tokenizer_for("bpe")
         hf.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size, min_frequency=2, show_progress=False,
@@ -91,8 +91,7 @@ class Tokenizer:
         for ch in sorted(chars):
             vocab.setdefault(ch, len(vocab))  # a character spelling a special token cannot occur
         hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-        # Every character (newlines included) is its own pre-token; Fuse joins them back.
-        hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        hf.pre_tokenizer = pre_tokenizer_for("char")
         hf.decoder = decoders.Fuse()
         hf.add_special_tokens(list(SPECIAL_TOKENS + (UNK,)))
         return cls(hf)
@@ -178,6 +177,15 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})"
+
+
+def pre_tokenizer_for(kind: str) -> pre_tokenizers.PreTokenizer:
+    """How a tokenizer trained here cuts text into pre-tokens, known before it is trained (the
+    token cache cuts long documents where a pre-token starts: data/units.py)."""
+    if kind == "bpe":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # char: every character (newlines included) is its own pre-token; Fuse joins them back.
+    return pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
 
 
 def is_pretrained(tokenizer_path: str | os.PathLike) -> bool:

@@ -36,6 +36,7 @@ from ..runplan import RunPlan, auto_choice, make_plan
 from ..tasks.base import Task, TaskRecords, token_loss_sum
 from . import optim
 from .loop import TrainLoop
+from .validation import bound_line
 
 BEST_DIR = ".best"  # keep_best: the best evaluation's outputs until the run ends
 
@@ -333,8 +334,10 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
     log(env, f"batch: {tr.batch_size} per device x {split} x {plan.accum} "
              f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps "
              f"({plan.steps_per_epoch} per epoch)")
-    for line in optim.schedule_warnings(plan.cfg.optim, plan.total_steps):
-        log(env, line)
+    for line in [*optim.schedule_warnings(plan.cfg.optim, plan.total_steps),
+                 bound_line(plan, task)]:
+        if line:
+            log(env, line)
     if resumed is not None:
         resharded = (f"; saved by {resumed.world_size} worker(s), resharded to "
                      f"{env.world_size}" if resumed.world_size != env.world_size else "")

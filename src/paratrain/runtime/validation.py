@@ -20,6 +20,17 @@ from ..runplan import RunPlan
 from ..tasks.base import Frozen, Task
 
 
+def bound_line(plan: RunPlan, task: Task) -> Optional[str]:
+    """The start-up line saying that trainer.eval_samples leaves held-out samples out; None
+    when every one is evaluated."""
+    bound = plan.cfg.trainer.eval_samples
+    held_out = len(task.val_ds) if task.val_ds is not None else 0
+    if bound is None or held_out <= bound:
+        return None
+    return (f"validation: the first {bound:,} of {held_out:,} held-out {task.sample_name} at "
+            "each evaluation (trainer.eval_samples; null: every one)")
+
+
 class Validation:
     """The validation of one run on this rank: what it reads and how it splits, from the plan."""
 
