@@ -123,7 +123,7 @@ def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.
                     micro_batch=tr.batch_size, seq_length=probe.seq_length,
                     vocab_size=probe.vocab_size, reshard_after_forward=tr.reshard_after_forward,
                     shard_group_size=tr.shard_group_size or local_world_size,
-                    frozen_factory=probe.build_frozen)
+                    frozen_factory=probe.build_frozen, cache=probe.cache)
     capacity = device_capacity(device, local_world_size) if capacity is None else capacity
     return choose(rows, capacity, lambda: auto_pipelines(
         cfg, task, world_size=world_size, local_world_size=local_world_size, device=device))

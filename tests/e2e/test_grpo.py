@@ -167,7 +167,7 @@ def test_a_reward_model_folder_scores_beside_a_function(capsys, tmp_path, setup)
     """rl.reward_models: the model/ of a reward run (trainer.objective=reward, 2 steps here)
     runs frozen beside the policy; the reward is the weighted sum of the function's and the
     model's scores, each logged under its name; and `paratrain plan` counts it (and the
-    reference)."""
+    reference, and the generation cache)."""
     rows = [{"prompt": f"def function_{i}(", "chosen": f"x):\n    return x + {i}",
              "rejected": "y):"} for i in range(16)]
     (tmp_path / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -187,8 +187,8 @@ def test_a_reward_model_folder_scores_beside_a_function(capsys, tmp_path, setup)
         fn, rm = m["rewards/digits/mean"], m["rewards/my-rm/mean"]
         assert abs(m["reward"] - (fn + 0.5 * rm)) <= 1e-9, m
         assert rm != 0.0 and m["rewards/my-rm/std"] > 0
-    # paratrain plan counts what the run holds beside the policy: the reward model, and the
-    # reference once rl.beta > 0
+    # paratrain plan counts what the run holds beside the policy: the reward model, the
+    # reference once rl.beta > 0, and generation's KV cache on a line of its own
     rows = {}
     for beta in (0.0, 0.1):
         r = cli_run(capsys, ["plan"] + grpo_args(setup, tmp_path / "plan")[1:] + [
@@ -198,6 +198,9 @@ def test_a_reward_model_folder_scores_beside_a_function(capsys, tmp_path, setup)
         header, ddp = [line.split() for line in r.stdout.splitlines()[:2]]
         assert ddp[0] == "ddp", r.stdout
         rows[beta] = dict(zip(header, ddp))
+        cache = [line for line in r.stdout.splitlines() if line.startswith("generation KV")]
+        assert len(cache) == 1 and "x 4 generations" in cache[0] and "+ 16 new" in cache[0], \
+            r.stdout
     held = {beta: float(row["frozen"].rstrip("M")) for beta, row in rows.items()}
     assert 0 < held[0.0] < held[0.1], rows
 

@@ -2,7 +2,8 @@
 own GRPOTrainer._compute_loss on the same log-probs, advantages and masks (every loss type we
 offer, with clipping and the KL term active); the group advantages against TRL's formula; a
 prompt's completions independent of the batch it is sampled in (what makes 1 and N workers
-sample the same); a reward function that fails names itself in one line; config refusals."""
+sample the same); the plan's generation KV cache against the cache one real generation holds;
+a reward function that fails names itself in one line; config refusals."""
 
 from __future__ import annotations
 
@@ -122,6 +123,55 @@ def test_a_prompts_completions_do_not_depend_on_its_batch(tmp_path):
     again, _ = sample_completions(model, short, torch.ones_like(short),
                                   [prompt_generator(1, 4, 11)], 3, how, 0, 0)
     assert not torch.equal(again, alone)  # another step draws others
+
+
+class _KeepsCache(torch.nn.Module):
+    """The model, keeping the KV cache of its last forward (what generation holds at its end)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model, self.cache = model, None
+
+    def forward(self, **kwargs):
+        out = self.model(**kwargs)
+        self.cache = out.cache if getattr(out, "cache", None) is not None \
+            else out.past_key_values
+        return out
+
+
+def _cache_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (layer.keys, layer.values))
+
+
+def test_the_plans_generation_cache_is_what_a_generation_holds(hf_llama, tmp_path):
+    """GenerationCache (what `paratrain plan` counts per device) grows with rl.num_generations
+    and rl.max_new_tokens as the formula says, and equals, within 1/(prompt + new tokens), the
+    cache of one real generation of the tiny model (2 layers, 2 KV heads of 16; the last token
+    sampled is never fed back, so the real cache is one token shorter)."""
+    transformers = pytest.importorskip("transformers")
+    from paratrain.config.tree import TrainConfig
+    from paratrain.tasks.rl_memory import GenerationCache
+    from paratrain.tasks.rollout import Sampling, prompt_generator, sample_completions
+
+    def planned(generations: int, new: int, prompts: int = 2, prompt_tokens: int = 6) -> int:
+        cfg = TrainConfig.from_yaml(None, [
+            "model.arch=hf", f"model.path={hf_llama}", "data.format=prompts",
+            f"data.source={tmp_path / 'p.jsonl'}", "rl.reward_functions=[a:b]",
+            f"rl.num_generations={generations}", f"rl.max_new_tokens={new}"])
+        return GenerationCache.of(cfg, prompt_tokens).bytes(prompts)
+
+    base = planned(4, 10)
+    assert base == 2 * 2 * (2 * 4) * (6 + 10) * 2 * 16 * 4  # layers x K,V x rows x T x H x D x 4
+    assert planned(8, 10) == 2 * base and planned(4, 26) == 2 * base
+    model = _KeepsCache(transformers.AutoModelForCausalLM.from_pretrained(hf_llama))
+    prompts = torch.randint(0, 300, (2, 6))  # (B, P)
+    completions, _ = sample_completions(
+        model, prompts, torch.ones_like(prompts), [prompt_generator(0, 0, i) for i in (0, 1)],
+        4, Sampling(max_new_tokens=10), eos_id=-1, pad_id=0)  # no EOS: all 10 tokens
+    assert completions.shape == (8, 10)
+    measured = _cache_bytes(model.cache)
+    assert abs(measured - base) <= base / (6 + 10), (measured, base)
 
 
 @pytest.mark.parametrize("fn, says", [

@@ -37,6 +37,8 @@ class Estimate:
     activation_bytes: int
     device_bytes: int  # what must fit on the device at the peak of a step
     frozen_bytes: int = 0  # models a task runs but does not train (parameters only)
+    cache_bytes: int = 0  # online RL's generation KV cache, freed before the activations
+    cache_note: str = ""  # how cache_bytes is counted
 
     @property
     def label(self) -> str:
@@ -50,7 +52,8 @@ class Estimate:
         return {"strategy": self.label, "params_bytes": self.params_bytes,
                 "grads_bytes": self.grads_bytes, "optimizer_bytes": self.optimizer_bytes,
                 "activation_bytes": self.activation_bytes, "device_bytes": self.device_bytes,
-                "state_bytes": self.state_bytes, "frozen_bytes": self.frozen_bytes}
+                "state_bytes": self.state_bytes, "frozen_bytes": self.frozen_bytes,
+                "cache_bytes": self.cache_bytes}
 
 
 @dataclass(frozen=True)
@@ -116,14 +119,17 @@ def _saved_bytes(module: nn.Module, x: torch.Tensor, targets: Optional[torch.Ten
 def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, micro_batch: int,
              seq_length: int, vocab_size: int, reshard_after_forward: bool = True,
              shard_group_size: Optional[int] = None,
-             frozen_factory: Optional[Callable[[], dict[str, nn.Module]]] = None
-             ) -> List[Estimate]:
+             frozen_factory: Optional[Callable[[], dict[str, nn.Module]]] = None,
+             cache: Any = None) -> List[Estimate]:
     """Every candidate's bytes per device at this world size (rank 0, the fullest), in order of
     speed: replicate, shard within a node and replicate across nodes (hsdp, when
     `shard_group_size`, the processes of one node or the override, is more than one and less
     than the world), shard over all, shard and recompute, shard and offload. `frozen_factory`:
     the models a task runs without training them, held (and sharded) like the trained one's
-    parameters, with no gradients or optimizer state."""
+    parameters, with no gradients or optimizer state. `cache`: online RL's generation cache
+    (tasks/rl_memory.GenerationCache) for `micro_batch` prompts, on every device whatever the
+    layout; it is freed before the training forward, so the peak holds the larger of it and the
+    activations."""
     with torch.device("meta"):
         meta = factory()
         frozen = [p.shape for m in (frozen_factory() if frozen_factory else {}).values()
@@ -138,14 +144,17 @@ def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, mi
     act_ac = micro_batch * activation_bytes_per_sample(factory, seq_length, vocab_size,
                                                        precision, checkpointing=True)
     gathered = 2 * biggest_block * PARAM_BYTES[precision]  # FSDP: this block's and the next's
+    cached = cache.bytes(micro_batch) if cache is not None else 0
+    note = cache.describe(micro_batch) if cache is not None else ""
 
     def row(parallelism: Parallelism, checkpointing: bool, activations: int,
             on_device: bool = True) -> Estimate:
         parts = state_bytes(shapes, parallelism, world, precision, trainable)
         held = sum(parallelism.state_numel(s, world) for s in frozen) * PARAM_BYTES[precision]
-        peak = activations + (gathered if parallelism.sharded else 0) + (
+        peak = max(activations, cached) + (gathered if parallelism.sharded else 0) + (
             sum(parts) + held if on_device else 0)
-        return Estimate(parallelism, checkpointing, *parts, activations, peak, held)
+        return Estimate(parallelism, checkpointing, *parts, activations, peak, held, cached,
+                        note)
 
     rows = [row(Parallelism() if world == 1 else DDP(), False, act)]
     group = shard_group_size or world
@@ -268,6 +277,10 @@ def format_estimates(rows: List[Estimate], capacity: int, pick: Choice) -> str:
                      f"{human_bytes(r.activation_bytes):>13}"
                      + (f"{human_bytes(r.frozen_bytes):>10}" if frozen else "")
                      + f"{human_bytes(r.device_bytes):>12}  {fits}")
+    if rows[0].cache_bytes:
+        lines.append(f"generation KV cache {human_bytes(rows[0].cache_bytes)} per device "
+                     f"({rows[0].cache_note}); freed before learning: per device counts the "
+                     "larger of it and the activations")
     lines.append(f"device capacity {human_bytes(capacity)} (planning to {int(MARGIN * 100)}%); "
                  f"trainer.strategy=auto picks {pick.label} ({pick.why}); to fix it: "
                  f"{layout_keys(pick)}")
@@ -289,16 +302,17 @@ def estimates_for_config(cfg, world: Optional[int] = None,
     if probe is None:
         vocab = cfg.model.vocab_size or cfg.data.vocab_size
         args = resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
-        factory, seq_length, frozen = (lambda: build_model(args)), cfg.data.seq_length, None
+        factory, seq_length = (lambda: build_model(args)), cfg.data.seq_length
+        frozen = cache = None
     else:
         factory, seq_length, vocab = probe.build_model, probe.seq_length, probe.vocab_size
-        frozen = probe.build_frozen
+        frozen, cache = probe.build_frozen, probe.cache
     local = local_workers or len(devices)
     override = cfg.trainer.shard_group_size  # a bad one is the error `train` would give
     group = shard_group(world, local, override) if override is not None else local
     rows = estimate(factory, world=world, precision=cfg.trainer.precision,
                     micro_batch=cfg.trainer.batch_size, seq_length=seq_length,
                     vocab_size=vocab, reshard_after_forward=cfg.trainer.reshard_after_forward,
-                    shard_group_size=group, frozen_factory=frozen)
+                    shard_group_size=group, frozen_factory=frozen, cache=cache)
     capacity = device_capacity(device or devices[0], local)
     return rows, capacity, choose(rows, capacity)

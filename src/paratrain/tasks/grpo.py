@@ -108,13 +108,14 @@ class GRPOTask(CausalLMTask):
 
     def memory_probe(self) -> Optional[MemoryProbe]:
         """For `paratrain plan` and auto: rl_memory.py."""
-        from .rl_memory import FrozenProbe, GroupProbe
+        from .rl_memory import FrozenProbe, GenerationCache, GroupProbe
         rl = self.cfg.rl
         reference = self.kl_coef != 0.0 and not self.lora
         return MemoryProbe(GroupProbe(self.cfg, rl.num_generations),
                            self.train_ds.longest + rl.max_new_tokens, len(self.tokenizer),
                            build_frozen=FrozenProbe(self.cfg, reference)
-                           if reference or rl.reward_models else None)
+                           if reference or rl.reward_models else None,
+                           cache=GenerationCache.of(self.cfg, self.train_ds.longest))
 
     # ---- a step's completions -------------------------------------------------------------
     def rollout(self, model: nn.Module, micro: list, step: int, env: Any, amp: ContextManager,
