@@ -5,12 +5,14 @@ mean reward measurably, and generate answers from it. One process and 2 FSDP wor
 same first 5 steps (the same completions, as their rewards show to 1e-12, and losses within
 1e-5), for GRPO and for PPO. A reward function that breaks mid-run stops the run in one line
 with its snapshots kept, and the same command resumes from them to the same final weights, bit
-for bit. A reward run's model/ scores beside a function; paratrain plan counts it. The Python
+for bit; so does the same command after the whole job is SIGKILLed mid-run. A reward run's model/ scores beside a function; paratrain plan counts it. The Python
 example trains."""
 
 from __future__ import annotations
 
 import json
+import re
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from tests.conftest import (
     read_metrics,
     read_summary,
     run_cli,
+    start_cli,
 )
 from tests.e2e._doc_blocks import doc_blocks
 
@@ -160,6 +163,33 @@ def test_a_reward_function_that_breaks_stops_the_run_in_one_line(capsys, tmp_pat
     straight = load_file(one_worker / "model" / "model.safetensors")
     assert resumed.keys() == straight.keys()
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+@pytest.mark.slow
+def test_a_sigkill_mid_run_then_the_same_command_ends_bit_identical(tmp_path, setup,
+                                                                  one_worker):
+    """The whole job SIGKILLed (its process group, kill -9) once a snapshot has committed and
+    before the run ends; the same command resumes from the last committed snapshot and ends
+    with the weights of the run that never stopped (one_worker's), bit for bit."""
+    from tests.distributed._snapshot_helpers import committed_steps, kill_job, wait_for, weights
+    args = grpo_args(setup, tmp_path / "run", **{
+        "trainer.devices": "cpu", "trainer.batch_size": 4, "trainer.max_steps": 5,
+        "checkpoint.every_steps": 1})
+    ck = tmp_path / "run" / "checkpoints"
+    proc = start_cli(args, cwd=setup)
+    wait_for(lambda: committed_steps(ck), proc, timeout=300, poll=0.005,
+             what="the first committed snapshot")
+    kill_job(proc)
+    assert proc.returncode == -signal.SIGKILL
+    done = committed_steps(ck)
+    assert not (tmp_path / "run" / "model").exists() and done[-1] < 5, done  # mid-run
+    r = run_cli(args, cwd=setup, timeout=300)  # the same command
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = re.search(r"resumed from step (\d+)", r.stderr)
+    assert resumed and int(resumed[1]) == done[-1], (done, r.stderr[-3000:])
+    got, want = weights(tmp_path / "run"), weights(one_worker)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.slow
