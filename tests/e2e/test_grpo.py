@@ -5,7 +5,8 @@ mean reward measurably, and generate answers from it. One process and 2 FSDP wor
 same first 5 steps (the same completions, as their rewards show to 1e-12, and losses within
 1e-5), for GRPO and for PPO. A reward function that breaks mid-run stops the run in one line
 with its snapshots kept, and the same command resumes from them to the same final weights, bit
-for bit; so does the same command after the whole job is SIGKILLed mid-run. A reward run's model/ scores beside a function; paratrain plan counts it. The Python
+for bit; so does the same command after the whole job is SIGKILLed mid-run. A reward run's
+model/ scores beside a function; paratrain plan counts it (and the generation cache). The Python
 example trains."""
 
 from __future__ import annotations
