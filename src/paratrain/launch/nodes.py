@@ -80,6 +80,19 @@ class NodeGroup:
             raise TrainingError(f"node 0 failed while preparing {what}: {status[7:]}")
         return fn()
 
+    def gathered(self, what: str, value: Any) -> list:
+        """Every node's `value` (JSON), in node order, on every node: what each node found out
+        (whether it sees node 0's files), for one decision the same everywhere."""
+        prefix = f"{_NODES}/{self.run_id}/gathered/{what}/"
+        self.store.set(prefix + str(self.node_rank), json.dumps(value))
+        keys = [prefix + str(r) for r in range(self.nnodes)]
+        try:
+            self.store.wait(keys, _dt.timedelta(seconds=self.timeout_s))
+            return [json.loads(self.store.get(k)) for k in keys]
+        except Exception:  # a node stopped, or the store went away
+            raise TrainingError(f"a node did not say {what} within {self.timeout_s:.0f} s; "
+                                "see the other nodes' logs") from None
+
     def decided_by_node0(self, what: str, fn: Callable[[], Any]) -> Any:
         """`fn()` on node 0, its result on every node: one decision for the whole job (the
         memory plan's pick: device capacities differ a little between nodes). Pickled through
