@@ -65,3 +65,28 @@ def test_node0s_marker_tells_a_shared_folder_from_a_private_one(tmp_path):
     assert not marker_path(tmp_path / "a", "job-3").exists()
     line = NodeShare(0, 2, "job-3", shared=False).line("cache")
     assert "each node prepares its own copy: data.cache_dir=cache is not shared" in line
+
+
+@pytest.mark.parametrize("same_folder", [True, False])
+def test_the_nodes_decide_together_whether_the_folder_is_shared(tmp_path, same_folder):
+    """Two nodes met over a real store (threads here): shared only when both see node 0's
+    marker; the marker is gone afterwards."""
+    from paratrain.launch.environment import free_port
+    from paratrain.launch.nodes import join_nodes
+    from paratrain.trainer import node_share
+    port, shares, groups = free_port(), [None, None], [None, None]
+
+    def node(r):
+        groups[r] = join_nodes("127.0.0.1", port, 2, r, 1, timeout_s=20)
+        folder = tmp_path / ("shared" if same_folder or r == 0 else f"own{r}")
+        shares[r] = node_share(groups[r], str(folder))
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert [s.splits for s in shares] == [same_folder, same_folder], shares
+    assert not list(tmp_path.glob("*/data/.nodes/*.json"))
+    for g in groups:
+        g.close()
