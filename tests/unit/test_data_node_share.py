@@ -3,13 +3,21 @@ same bytes as one node preparing it alone; a node that never delivers is named, 
 In-process: each "node" a thread on one folder (the real two-node run: test_multinode.py)."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from paratrain.config import DataConfig
 from paratrain.data import prepare_data
-from paratrain.data.node_share import NodeShare, forget_marker, mark_or_look, marker_path
+from paratrain.data.node_share import (
+    NodeShare,
+    failed,
+    forget_marker,
+    mark_or_look,
+    marker_path,
+    wait_published,
+)
 from paratrain.errors import DataError
 
 CFG = DataConfig(source="stdlib", vocab_size=512, max_bytes=400_000)
@@ -55,6 +63,40 @@ def test_a_node_that_never_delivers_is_named(tmp_path):
     with pytest.raises(DataError, match=r"node 1 did not deliver its part .* within 1 s"):
         prepare_data(CFG, tmp_path, log=lambda m: None, processes=1, nodes=share)
     assert list((tmp_path / "data").iterdir()) == []  # nothing half-published
+
+
+def test_a_node_that_fails_or_node_0_that_stops_ends_the_wait_at_once(tmp_path):
+    """Node 1's failure reaches node 0 (with why), node 0's stop reaches node 1: neither waits
+    out its hour."""
+    share0 = NodeShare(0, 2, "job-4", shared=True, timeout_s=60, poll_s=0.02)
+    share1 = NodeShare(1, 2, "job-4", shared=True, timeout_s=60, poll_s=0.02)
+
+    def node1_fails():  # as prepare_data reports an exception of node 1's part
+        for _ in range(1000):
+            tmps = list((tmp_path / "a" / "data").glob("*.tmp-job-4"))
+            if tmps:
+                return failed(tmps[0], share1, OSError("disk full"))
+            time.sleep(0.01)
+
+    t = threading.Thread(target=node1_fails)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(DataError, match="node 1 failed preparing its part .*: disk full"):
+        prepare_data(CFG, tmp_path / "a", log=lambda m: None, processes=1, nodes=share0)
+    t.join(timeout=10)
+
+    def node0_stops():  # node 0 removes its temp folder when it fails
+        tmp = tmp_path / "b" / "data" / "x.tmp-job-4"
+        tmp.mkdir(parents=True)
+        time.sleep(0.3)
+        tmp.rmdir()
+
+    t = threading.Thread(target=node0_stops)
+    t.start()
+    with pytest.raises(DataError, match="node 0 stopped preparing the shared data cache"):
+        wait_published(tmp_path / "b" / "data" / "x", share1)
+    t.join(timeout=10)
+    assert time.monotonic() - t0 < 30
 
 
 def test_node0s_marker_tells_a_shared_folder_from_a_private_one(tmp_path):

@@ -37,7 +37,7 @@ from ..config.sections import DataConfig
 from ..errors import DataError
 from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus
-from .node_share import NodeShare, temp_dir, wait_for_plan, wait_published, \
+from .node_share import NodeShare, failed, temp_dir, wait_for_plan, wait_published, \
     write_plan
 from .pretokenized import is_pretokenized, load_tokens
 from .preparation import Fragments, count_fragments, encode_shards, training_texts
@@ -174,7 +174,12 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
     splits = nodes is not None and nodes.splits
     if splits and nodes.node_rank != 0:  # a helper: its part in node 0's folder, then wait
         tmp = temp_dir(final, nodes)
-        _build(cfg, corpus, fingerprint, tmp, log, packed, processes, nodes)
+        try:
+            _build(cfg, corpus, fingerprint, tmp, log, packed, processes, nodes)
+        except Exception as e:
+            if tmp.is_dir():  # node 0 stops waiting for this node's part, and says why
+                failed(tmp, nodes, e)
+            raise
         wait_published(final, nodes)
         return load_prepared(final)
     if final.exists():  # no meta.json: never renamed into place complete, so it is debris
@@ -230,7 +235,9 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
     total = sum(u.nbytes for u in units)
     processes = processes or default_processes(min(total, corpus.max_bytes or total))
     if nodes is not None and nodes.node_rank != 0:
-        plan = wait_for_plan(out, nodes)
+        plan = wait_for_plan(out, out.parent / fingerprint, nodes)
+        if plan is None:
+            return
         jobs = chunk_jobs(corpus, group_chunks(units, plan["chunking"], corpus.max_bytes),
                           cutter)[:len(plan["per_chunk"])]
         jobs[-1] = replace(jobs[-1], budget=plan["budget"])

@@ -16,10 +16,11 @@ Without a shared folder each node prepares its own copy, as one node does.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 
@@ -91,9 +92,12 @@ def write_plan(out: Path, sizes: np.ndarray, ends: np.ndarray, per_chunk: List[i
                  tokenizer_file=np.frombuffer(tokenizer_file.encode(), np.uint8))
 
 
-def wait_for_plan(out: Path, share: NodeShare) -> dict:
-    _wait(lambda: (out / PLAN_FILE).is_file(), share,
-          f"node 0 did not plan the shared data cache {out}")
+def wait_for_plan(out: Path, final: Path, share: NodeShare) -> Optional[dict]:
+    """Node 0's plan; None: the cache is published already (no chunk was left for this node)."""
+    _wait(lambda: (out / PLAN_FILE).is_file() or (final / "meta.json").is_file(), share,
+          f"node 0 did not plan the shared data cache {out}", _node0_gone(out, final))
+    if not (out / PLAN_FILE).is_file():
+        return None
     with np.load(out / PLAN_FILE, allow_pickle=False) as z:
         plan = {k: z[k] for k in z.files}
     budget = int(plan["budget"])
@@ -119,6 +123,12 @@ def collect(out: Path, tokens: List[np.ndarray], share: NodeShare) -> List[np.nd
     missing = [k for k in range(len(tokens)) if not share.mine(k)]
 
     def arrived() -> bool:
+        for r in range(1, share.nnodes):
+            report = out / f"failed-{r}.json"
+            if report.is_file():
+                error = json.loads(report.read_text())["error"]
+                raise DataError(f"node {r} failed preparing its part of the shared data cache: "
+                                f"{error}")
         while missing and (out / counts_name(missing[0])).is_file():
             k = missing.pop(0)
             tokens[k] = np.load(out / counts_name(k), allow_pickle=False)
@@ -131,12 +141,34 @@ def collect(out: Path, tokens: List[np.ndarray], share: NodeShare) -> List[np.nd
 
 def wait_published(final: Path, share: NodeShare) -> None:
     _wait(lambda: (final / "meta.json").is_file(), share,
-          f"node 0 did not publish the shared data cache {final}")
+          f"node 0 did not publish the shared data cache {final}",
+          _node0_gone(temp_dir(final, share), final))
 
 
-def _wait(done, share: NodeShare, what) -> None:
+def failed(out: Path, share: NodeShare, error: BaseException) -> None:
+    """A node's part failed: node 0 stops waiting for it and says why."""
+    atomic_write_json(out / f"failed-{share.node_rank}.json", {"error": str(error)})
+
+
+def _node0_gone(out: Path, final: Path) -> Callable[[], bool]:
+    """Node 0 removes the temp folder when it fails (and renames it when done): a folder that
+    was there and is gone, with nothing published, means node 0 stopped."""
+    seen = [False]
+
+    def gone() -> bool:
+        if out.exists():
+            seen[0] = True
+            return False
+        return seen[0] and not (final / "meta.json").is_file()
+    return gone
+
+
+def _wait(done, share: NodeShare, what, stopped=None) -> None:
     deadline = time.monotonic() + share.timeout_s
     while not done():
+        if stopped is not None and stopped():
+            raise DataError("node 0 stopped preparing the shared data cache (its temp folder "
+                            "is gone, nothing was published); see node 0's log")
         if time.monotonic() >= deadline:
             text = what() if callable(what) else what
             raise DataError(f"{text} within {share.timeout_s:.0f} s; see that node's log (it "
