@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from torch import nn
 
@@ -35,9 +35,6 @@ from .runplan import RunPlan, auto_choice, check_elastic_batch, check_elastic_la
 from .runtime.rank import prepare_task, run_rank
 from .tasks.base import Task, TaskRecords, check_picklable
 from .tasks.user import UserTask
-
-if TYPE_CHECKING:
-    from .data.node_share import NodeShare
 
 ELASTIC_RESTARTS = 3  # failures (a node lost) an elastic job survives when max_restarts is 0
 
@@ -242,18 +239,6 @@ class Trainer:
         return _result(results[min(results)])
 
 
-def node_share(nodes: Any, cache_dir: str) -> "NodeShare":
-    """Whether every node sees `cache_dir` (node 0's marker file in it), decided once for the
-    job: then the nodes split the preparation of a token cache there."""
-    from .data.node_share import NodeShare, forget_marker, mark_or_look
-    seen = nodes.first_then_others("data-marker", lambda: mark_or_look(
-        cache_dir, nodes.node_rank, nodes.run_id))
-    views = nodes.gathered("data-marker", seen)
-    if nodes.node_rank == 0:
-        forget_marker(cache_dir, nodes.run_id)  # every node has looked for it
-    return NodeShare(nodes.node_rank, nodes.nnodes, nodes.run_id, shared=all(views))
-
-
 def _prepare_on_nodes(cfg: TrainConfig, nodes: Any, env: DistEnv,
                       given: Union[Task, TaskRecords, None]) -> Task:
     """The task on every node. A token cache in a folder every node sees is prepared by all of
@@ -263,7 +248,7 @@ def _prepare_on_nodes(cfg: TrainConfig, nodes: Any, env: DistEnv,
     if given is None and getattr(cfg.task.load(), "reads_corpus", False) \
             and not cfg.distributed.elastic:
         from .data.cache import prepare_data
-        share = node_share(nodes, cfg.cache_dir)
+        share = nodes.data_share(cfg.cache_dir)
         if share.splits:
             prepare_data(cfg.corpus_data, cfg.cache_dir, log=lambda m: log(env, m),
                          packed=cfg.task.packed, nodes=share)

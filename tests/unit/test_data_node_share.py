@@ -115,13 +115,12 @@ def test_the_nodes_decide_together_whether_the_folder_is_shared(tmp_path, same_f
     marker; the marker is gone afterwards."""
     from paratrain.launch.environment import free_port
     from paratrain.launch.nodes import join_nodes
-    from paratrain.trainer import node_share
     port, shares, groups = free_port(), [None, None], [None, None]
 
     def node(r):
         groups[r] = join_nodes("127.0.0.1", port, 2, r, 1, timeout_s=20)
         folder = tmp_path / ("shared" if same_folder or r == 0 else f"own{r}")
-        shares[r] = node_share(groups[r], str(folder))
+        shares[r] = groups[r].data_share(str(folder))
 
     threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
     for t in threads:

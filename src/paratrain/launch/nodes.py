@@ -27,6 +27,7 @@ import torch
 import torch.distributed
 
 from .. import errors
+from ..data.node_share import NodeShare, forget_marker, mark_or_look
 from ..errors import ConfigError, TrainingError
 from ..formatting import first_line, flatten
 from . import forkserver
@@ -92,6 +93,16 @@ class NodeGroup:
         except Exception:  # a node stopped, or the store went away
             raise TrainingError(f"a node did not say {what} within {self.timeout_s:.0f} s; "
                                 "see the other nodes' logs") from None
+
+    def data_share(self, cache_dir: str) -> NodeShare:
+        """Whether every node sees `cache_dir` (node 0's marker file in it), decided once for
+        the job: then the nodes split the preparation of a token cache there."""
+        seen = self.first_then_others("data-marker", lambda: mark_or_look(
+            cache_dir, self.node_rank, self.run_id))
+        views = self.gathered("data-marker", seen)
+        if self.node_rank == 0:
+            forget_marker(cache_dir, self.run_id)  # every node has looked for it
+        return NodeShare(self.node_rank, self.nnodes, self.run_id, shared=all(views))
 
     def decided_by_node0(self, what: str, fn: Callable[[], Any]) -> Any:
         """`fn()` on node 0, its result on every node: one decision for the whole job (the
