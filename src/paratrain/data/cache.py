@@ -177,10 +177,11 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
         try:
             _build(cfg, corpus, fingerprint, tmp, log, packed, processes, nodes)
         except Exception as e:
-            if not tmp.is_dir():  # node 0 removed it: it failed, and says why in its log
+            if tmp.is_dir():  # node 0 stops waiting for this node's part, and says why
+                failed(tmp, nodes, e)
+            elif isinstance(e, OSError):  # node 0 removed the folder under us: it failed
                 raise DataError(f"node 0 stopped preparing the shared data cache {final}; "
                                 "see node 0's log") from e
-            failed(tmp, nodes, e)  # node 0 stops waiting for this node's part, and says why
             raise
         wait_published(final, nodes)
         return load_prepared(final)
