@@ -214,9 +214,7 @@ class Trainer:
                         d.timeout_s, config=cfg.to_dict(), rdzv=d.rdzv,
                         min_nodes=d.min_nodes) as nodes:
             node_env = DistEnv(node_rank=d.node_rank)  # logs on node 0 only
-            # node 0 first: a cache in a shared directory is built once, then reused
-            task = nodes.first_then_others("data", lambda: prepare_task(cfg, node_env,
-                                                                       self.given))
+            task = _prepare_on_nodes(cfg, nodes, node_env, self.given)
             if d.elastic:  # the world size is each round's: its ranks plan it (rank 0 decides)
                 restarts = d.max_restarts or ELASTIC_RESTARTS
                 log(node_env, f"elastic: {d.min_nodes} to {d.max_nodes} nodes; a node that "
@@ -239,6 +237,24 @@ class Trainer:
         if stopped:  # a stop signal reached a worker, not us: the job stopped all the same
             raise Interrupted(stopped[0])
         return _result(results[min(results)])
+
+
+def _prepare_on_nodes(cfg: TrainConfig, nodes: Any, env: DistEnv,
+                      given: Union[Task, TaskRecords, None]) -> Task:
+    """The task on every node. A token cache in a folder every node sees is prepared by all of
+    them at once, each its part (data/node_share.py); then, as for any other data, node 0
+    goes first: a cache in a shared folder is built once and reused by the others, a node
+    with a folder of its own builds its own copy."""
+    if given is None and getattr(cfg.task.load(), "reads_corpus", False) \
+            and not cfg.distributed.elastic:
+        from .data.cache import prepare_data
+        share = nodes.data_share(cfg.cache_dir)
+        if share.splits:
+            prepare_data(cfg.corpus_data, cfg.cache_dir, log=lambda m: log(env, m),
+                         packed=cfg.task.packed, nodes=share)
+        else:
+            log(env, share.line(cfg.cache_dir))
+    return nodes.first_then_others("data", lambda: prepare_task(cfg, env, given))
 
 
 def worker_entry(cfg: TrainConfig, plan: Optional[RunPlan],

@@ -4,6 +4,7 @@ to meet, each a single line and exit code 2 within the timeout."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -46,7 +47,8 @@ def test_two_nodes_match_one_node_with_two_workers(tmp_path, tmp_path_factory, c
                                                    cache_dir):
     """The seed's recipe: the same command on two nodes (node_rank 0 and 1, one CPU worker
     each) is the job that one node with two workers runs: same losses, same validation loss;
-    only node 0 writes; a shared data cache is built once (node 1 reuses node 0's)."""
+    only node 0 writes; a shared data cache is prepared by both nodes, each encoding its part
+    of the chunks, and published once by node 0."""
     cache = tmp_path / "fresh-cache"  # shared by both nodes, empty at the start
     port = free_port()
     procs = [start_cli(node_args(corpus_dir, cache, r, port), tmp_path / f"node{r}")
@@ -55,7 +57,13 @@ def test_two_nodes_match_one_node_with_two_workers(tmp_path, tmp_path_factory, c
     assert rc0 == 0, err0[-3000:]
     assert rc1 == 0, err1[-3000:]
     assert "final loss" in out0 and out1.strip() == ""  # the master node reports; node 1 exits 0
-    assert "tokenized" in err0 and "tokenized" not in err1 and "reusing" in err1
+    assert "prepared by 2 nodes in a shared cache" in err0, err0[-3000:]
+    (meta_path,) = cache.glob("data/*/meta.json")  # one cache, the temp folder gone
+    per_node = json.loads(meta_path.read_text())["chunks_per_node"]
+    assert len(per_node) == 2 and min(per_node) > 0, per_node
+    for r, err in enumerate((err0, err1)):  # each node encoded its own part
+        assert f"tokenized {per_node[r]} of {sum(per_node)} chunks on node {r}" in err, err
+    assert not list(cache.glob("data/.nodes/*"))  # node 0's marker is gone
     assert not (tmp_path / "node1" / "runs").exists()  # only node 0 wrote outputs
     run0 = tmp_path / "node0" / "runs" / "mn"
     s2 = read_summary(run0)

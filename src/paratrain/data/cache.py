@@ -26,7 +26,7 @@ import os
 import secrets
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -37,6 +37,8 @@ from ..config.sections import DataConfig
 from ..errors import DataError
 from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus
+from .node_share import NodeShare, failed, temp_dir, wait_for_plan, wait_published, \
+    write_plan
 from .pretokenized import is_pretokenized, load_tokens
 from .preparation import Fragments, count_fragments, encode_shards, training_texts
 from .progress import Ticker
@@ -146,13 +148,15 @@ def cache_path(cfg: DataConfig, cache_root: str | os.PathLike) -> Path:
 
 def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
                  log: Callable[[str], None] = print, packed: bool = True,
-                 processes: Optional[int] = None) -> PreparedData:
+                 processes: Optional[int] = None,
+                 nodes: Optional[NodeShare] = None) -> PreparedData:
     """Reuse the cache for this config, or build it. Call on one process per node (local rank
     0, or one per shared filesystem); the others call `wait_for_data`. `packed`: whether the
     task cuts the corpus into full windows (its TaskSpec), else padded rows: only the log's
     words differ, the cache is the same. `processes`: how many processes encode (None: one
     per core, or this one alone for a small corpus); the cache is the same bytes whatever it
-    is."""
+    is. `nodes`: several nodes that share `cache_root` split the work (node_share.py); call it
+    on every node at once."""
     if is_pretokenized(cfg.source):
         prepared = _pretokenized(cfg, packed)
         n = prepared.meta["num_tokens"]
@@ -167,13 +171,30 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
     if (final / "meta.json").is_file():
         log(f"data: reusing {final}")
         return load_prepared(final)
+    splits = nodes is not None and nodes.splits
+    if splits and nodes.node_rank != 0:  # a helper: its part in node 0's folder, then wait
+        tmp = temp_dir(final, nodes)
+        try:
+            _build(cfg, corpus, fingerprint, tmp, log, packed, processes, nodes)
+        except Exception as e:
+            if tmp.is_dir():  # node 0 stops waiting for this node's part, and says why
+                failed(tmp, nodes, e)
+            elif isinstance(e, OSError):  # node 0 removed the folder under us: it failed
+                raise DataError(f"node 0 stopped preparing the shared data cache {final}; "
+                                "see node 0's log") from e
+            raise
+        wait_published(final, nodes)
+        return load_prepared(final)
     if final.exists():  # no meta.json: never renamed into place complete, so it is debris
         shutil.rmtree(final, ignore_errors=True)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f"{fingerprint}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_dir(final, nodes) if splits else \
+        final.parent / f"{fingerprint}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
+    if splits:
+        log(nodes.line(cache_root))
     try:
-        _build(cfg, corpus, fingerprint, tmp, log, packed, processes)
+        _build(cfg, corpus, fingerprint, tmp, log, packed, processes, nodes if splits else None)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -203,7 +224,10 @@ def wait_for_data(cfg: DataConfig, cache_root: str | os.PathLike, timeout_s: flo
 
 # ---- building ------------------------------------------------------------------------------
 def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
-           log: Callable[[str], None], packed: bool, processes: Optional[int]) -> None:
+           log: Callable[[str], None], packed: bool, processes: Optional[int],
+           nodes: Optional[NodeShare] = None) -> None:
+    """The cache's files in `out`. `nodes`: the nodes that split the chunks (node 0 plans and
+    publishes; another node encodes its part of node 0's plan and returns)."""
     # A pretrained tokenizer is known first: whether long documents may be cut depends on it.
     pretrained = pretrained_dir(cfg)
     kind = resolve_tokenizer(cfg)
@@ -213,7 +237,22 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
     units = plan_units(corpus, pieces=cutter is not None)
     total = sum(u.nbytes for u in units)
     processes = processes or default_processes(min(total, corpus.max_bytes or total))
-    jobs = chunk_jobs(corpus, group_chunks(units, processes, corpus.max_bytes), cutter)
+    if nodes is not None and nodes.node_rank != 0:
+        plan = wait_for_plan(out, out.parent / fingerprint, nodes)
+        if plan is None:
+            return
+        jobs = chunk_jobs(corpus, group_chunks(units, plan["chunking"], corpus.max_bytes),
+                          cutter)[:len(plan["per_chunk"])]
+        jobs[-1] = replace(jobs[-1], budget=plan["budget"])
+        frags = Fragments(plan["sizes"], plan["ends"], plan["per_chunk"])
+        tokenizer = Tokenizer.load(out / plan["tokenizer_file"])
+        dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
+        with workers(processes) as pool:
+            encode_shards(jobs, frags, plan["is_val"], tokenizer, out / plan["tokenizer_file"],
+                          dtype, out, pool, log, nodes)
+        return
+    chunking = processes * (nodes.nnodes if nodes is not None else 1)  # chunks for every node
+    jobs = chunk_jobs(corpus, group_chunks(units, chunking, corpus.max_bytes), cutter)
     with workers(processes) as pool:
         # Pass 1: count documents (their sizes pick the tokenizer's training text).
         jobs, frags = count_fragments(jobs, corpus.max_bytes, pool, log)
@@ -243,8 +282,11 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
 
         # Pass 3: every chunk's ids into shards of its own, in parallel.
         dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
+        if nodes is not None:  # the others may start: node 0's plan, their part of it
+            write_plan(out, frags.sizes, frags.ends, frags.per_chunk, is_val, chunking,
+                       jobs[-1].budget, tokenizer_file)
         stats = encode_shards(jobs, frags, is_val, tokenizer, out / tokenizer_file, dtype, out,
-                              pool, log)
+                              pool, log, nodes)
 
     meta = {
         "version": FORMAT_VERSION, "fingerprint": fingerprint, "source": cfg.source,
@@ -257,6 +299,9 @@ def _build(cfg: DataConfig, corpus: Corpus, fingerprint: str, out: Path,
         "num_docs": {s: stats[s]["docs"] for s in SPLITS},
         "num_tokens": {s: stats[s]["tokens"] for s in SPLITS},
         "shards": {s: stats[s]["shards"] for s in SPLITS},
+        "chunks_per_node": [sum(1 for k in range(len(jobs)) if k % n == r)
+                            for n in [nodes.nnodes if nodes is not None else 1]
+                            for r in range(n)],
     }
     atomic_write_json(out / "meta.json", meta, sort_keys=True)  # last: marks the directory complete
 

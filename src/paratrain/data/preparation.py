@@ -16,6 +16,7 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
+from .node_share import NodeShare, collect, deliver
 from .progress import Ticker
 from .shards import ChunkJob, Workers, count, encode, select, shard_name
 from .tokenizer import Tokenizer
@@ -106,9 +107,11 @@ def _per_fragment(frags: Fragments, per_doc: np.ndarray) -> np.ndarray:
 
 def encode_shards(jobs: Sequence[ChunkJob], frags: Fragments, is_val: np.ndarray,
                   tokenizer: Tokenizer, tokenizer_path: Path, dtype: np.dtype, out: Path,
-                  pool: Workers, log: Log) -> dict:
+                  pool: Workers, log: Log, share: Optional[NodeShare] = None) -> Optional[dict]:
     """Pass 3: every chunk's shards written in `out`; each split's document offsets saved;
-    returns {split: {"docs", "tokens", "shards": [[name, tokens], ...]}}."""
+    returns {split: {"docs", "tokens", "shards": [[name, tokens], ...]}}. `share`: nodes that
+    split the chunks (node_share.py): this node encodes its own and delivers their counts;
+    node 0 collects the others' and writes the index, another node returns None."""
     val = _per_fragment(frags, is_val)
     doc_sizes = frags.doc_sizes()
     eot_after = frags.ends & (doc_sizes[frags.doc_of] > 0)
@@ -116,13 +119,23 @@ def encode_shards(jobs: Sequence[ChunkJob], frags: Fragments, is_val: np.ndarray
     text_bytes = int(frags.sizes.sum())
     done, tokens = [0], [np.zeros(0, np.int64)] * len(jobs)
     t0 = time.perf_counter()
-    args = [(job, val[sl], eot_after[sl], str(tokenizer_path), str(out), dtype.name)
-            for job, sl in zip(jobs, slices)]
+    mine = [k for k in range(len(jobs)) if share is None or share.mine(k)]
+    args = [(jobs[k], val[slices[k]], eot_after[slices[k]], str(tokenizer_path), str(out),
+             dtype.name) for k in mine]
     with Ticker(log, lambda s: f"tokenizing: {done[0] / 1e6:.1f} of {text_bytes / 1e6:.1f} MB "
                                f"({100 * done[0] / max(text_bytes, 1):.0f}%), {s:.0f} s so far"):
-        for k, counts in pool.unordered(encode, args):
+        for i, counts in pool.unordered(encode, args):
+            k = mine[i]
             tokens[k] = counts
             done[0] += int(frags.sizes[slices[k]].sum())
+            if share is not None:
+                deliver(out, k, counts)
+    if share is not None:
+        log(f"tokenized {len(mine)} of {len(jobs)} chunks on node {share.node_rank} in "
+            f"{time.perf_counter() - t0:.1f} s")
+        if share.node_rank != 0:
+            return None
+        tokens = collect(out, tokens, share)
     stats = _index(jobs, frags, np.concatenate(tokens) if tokens else np.zeros(0, np.int64),
                    val, eot_after, out)
     total = sum(s["tokens"] for s in stats.values())

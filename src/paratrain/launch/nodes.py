@@ -27,6 +27,7 @@ import torch
 import torch.distributed
 
 from .. import errors
+from ..data.node_share import NodeShare, forget_marker, mark_or_look
 from ..errors import ConfigError, TrainingError
 from ..formatting import first_line, flatten
 from . import forkserver
@@ -79,6 +80,29 @@ class NodeGroup:
         if status != "ok":
             raise TrainingError(f"node 0 failed while preparing {what}: {status[7:]}")
         return fn()
+
+    def gathered(self, what: str, value: Any) -> list:
+        """Every node's `value` (JSON), in node order, on every node: what each node found out
+        (whether it sees node 0's files), for one decision the same everywhere."""
+        prefix = f"{_NODES}/{self.run_id}/gathered/{what}/"
+        self.store.set(prefix + str(self.node_rank), json.dumps(value))
+        keys = [prefix + str(r) for r in range(self.nnodes)]
+        try:
+            self.store.wait(keys, _dt.timedelta(seconds=self.timeout_s))
+            return [json.loads(self.store.get(k)) for k in keys]
+        except Exception:  # a node stopped, or the store went away
+            raise TrainingError(f"a node did not say {what} within {self.timeout_s:.0f} s; "
+                                "see the other nodes' logs") from None
+
+    def data_share(self, cache_dir: str) -> NodeShare:
+        """Whether every node sees `cache_dir` (node 0's marker file in it), decided once for
+        the job: then the nodes split the preparation of a token cache there."""
+        seen = self.first_then_others("data-marker", lambda: mark_or_look(
+            cache_dir, self.node_rank, self.run_id))
+        views = self.gathered("data-marker", seen)
+        if self.node_rank == 0:
+            forget_marker(cache_dir, self.run_id)  # every node has looked for it
+        return NodeShare(self.node_rank, self.nnodes, self.run_id, shared=all(views))
 
     def decided_by_node0(self, what: str, fn: Callable[[], Any]) -> Any:
         """`fn()` on node 0, its result on every node: one decision for the whole job (the

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 from torch import nn
 
@@ -31,6 +31,7 @@ class LMTask(NoFrozenModels, TokenLoss):
     val_ds: Any = None
     fsdp_wrap: Sequence[type] = ()
     perplexity: bool = True
+    reads_corpus: ClassVar[bool] = True  # its token cache: nodes that share it split the work
 
     @classmethod
     def prepare(cls, cfg: TrainConfig, env: DistEnv, records: Optional[TaskRecords],
