@@ -1,9 +1,10 @@
 """Embedding models end to end: the embedding guide (docs/guides/embeddings.md) runs as printed
 in a folder holding a tiny local Llama (my-model/) and anchor / positive / hard-negative records.
 1 worker and 2 DDP workers with the same global batch run the same steps and end with the same
-weights (the candidates gathered from both workers with their gradients); validation reports
-retrieval figures; the run's model/ folder loads with sentence-transformers and embeds texts as
-paratrain does; `paratrain generate` prints the same embedding."""
+weights (the candidates gathered from both workers with their gradients) and the same validation
+figures (retrieval ranked in the same blocks of held-out pairs); the run's model/
+folder loads with sentence-transformers and embeds texts as paratrain does; `paratrain generate`
+prints the same embedding."""
 
 from __future__ import annotations
 
@@ -44,15 +45,19 @@ def test_the_guide_runs_and_one_and_two_workers_agree(tmp_path, preference_llama
     commands, python = _guide()
     assert [a[:2] for a in commands] == [["paratrain", "train"]] * 2 + [["paratrain", "generate"]]
     outputs = []
-    for args in commands:
-        more = ["trainer.log_every=1"] if args[1] == "train" else []  # a loss every step
+    for args in commands:  # a loss every step
+        more = _MORE if args[1] == "train" else []
         r = run_cli(args[1:] + more, cwd=tmp_path)
         assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr[-3000:])
         outputs.append(r.stdout)
     one, two = tmp_path / "runs" / "emb-one", tmp_path / "runs" / "emb-two"
     assert len(assert_runs_agree(one, two)) == 5
-    summary = read_summary(one)
+    summary, on_two = read_summary(one), read_summary(two)
     assert 0 <= summary["val_accuracy"] <= summary["val_mrr@10"] <= 1
+    assert summary["val_samples"] == on_two["val_samples"] == 21  # every pair once
+    for key in ("val_accuracy", "val_mrr@10"):  # the same blocks of candidates on 1 and 2
+        assert summary[key] == on_two[key], (key, summary[key], on_two[key])
+    assert abs(summary["val_loss"] - on_two["val_loss"]) <= 1e-5
 
     texts = ["Say: red cat"] + [r["anchor"] for r in _records(4, 2)]
     ours = _paratrain_embeddings(one / "model", texts)
@@ -65,6 +70,9 @@ def test_the_guide_runs_and_one_and_two_workers_agree(tmp_path, preference_llama
     monkeypatch.chdir(tmp_path)
     for code in python:
         exec(compile(code, "docs/guides/embeddings.md", "exec"), {})
+
+
+_MORE = ["trainer.log_every=1"]
 
 
 def _paratrain_embeddings(model_dir: Path, texts: list[str]) -> torch.Tensor:
