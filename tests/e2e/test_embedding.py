@@ -79,8 +79,8 @@ _MORE = ["trainer.log_every=1", "checkpoint.every_steps=3", "checkpoint.record_s
 
 
 def _resume_after_a_kill(tmp_path: Path, command: list[str], straight: Path) -> None:
-    """`straight` died after its step-3 snapshot; the same command (in that run's folder)
-    resumes it and ends bit-identical, with the same validation figures."""
+    """A copy of `straight` that died after its step-3 snapshot; the same command, its run.dir
+    the copy, resumes it and ends bit-identical, with the same validation figures."""
     died = interrupted_copy(straight, tmp_path / "runs" / "emb-died", keep_until=3)
     args = [a if not a.startswith("run.dir=") else "run.dir=runs/emb-died" for a in command]
     r = run_cli(args[1:] + _MORE, cwd=tmp_path)

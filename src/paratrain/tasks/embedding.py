@@ -21,9 +21,10 @@ Validation is exact whatever the world size: its batches are blocks of EVAL_BLOC
 held-out pairs (by global index, dealt to the workers in turn: runtime/validation.py), each pair
 once, and each anchor is scored against its block's positives and negatives. It reports the
 loss and, for anchor / positive records, `val_accuracy` (the anchor's positive ranked first) and
-`val_mrr@10`, counts summed over the workers. The saved model/ folder is a sentence-transformers folder (the transformers model,
-modules.json, 1_Pooling/, 2_Normalize/ with `embedding.normalize`), which
-`SentenceTransformer(path)` loads and which embeds a text as training did.
+`val_mrr@10`, counts summed over the workers. The saved model/ folder is a sentence-transformers
+folder (the transformers model, modules.json, 1_Pooling/, 2_Normalize/ with
+`embedding.normalize`), which `SentenceTransformer(path)` loads and which embeds a text as
+training did.
 """
 
 from __future__ import annotations
