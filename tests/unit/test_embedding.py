@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from paratrain.errors import ConfigError, DataError
-from paratrain.tasks.embedding import cosine_loss, pool, ranking_losses
+from paratrain.runtime.validation import eval_batches
+from paratrain.tasks.embedding import (cosine_loss, pool, positive_ranks, ranking_losses,
+                                       retrieval_counts)
 from tests.unit.test_preference import _model_folder
 
 
@@ -43,6 +45,32 @@ def test_cosine_loss_equals_sentence_transformers():
     ours = s / n
     theirs = CosineSimilarityLoss(None).compute_loss_from_embeddings([u, v], score)
     assert abs(ours.item() - theirs.item()) <= 1e-6
+
+
+def test_retrieval_ranks_each_positive_among_the_candidates():
+    anchors = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    # positives, then hard negatives; anchor 0's positive ties a negative: still first
+    docs = torch.tensor([[1.0, 0.0], [1.0, 0.1], [-1.0, -1.0],
+                         [2.0, 0.0], [0.0, 3.0], [1.0, 2.0]])
+    ranks = positive_ranks(anchors, docs)
+    # anchor 1: cos 0.0995 to [1, 0.1], beaten by [0, 3] (1) and [1, 2] (0.894): third;
+    # anchor 2: cos -1 to [-1, -1], beaten by all five others: sixth
+    assert ranks.tolist() == [1, 3, 6]
+    counts = retrieval_counts(ranks)
+    assert counts["top1"].item() == 1 and counts["samples"] == 3.0
+    assert abs(counts["rr10"].item() - (1 + 1 / 3 + 1 / 6)) < 1e-12
+
+
+@pytest.mark.parametrize("n", [1, 21, 32, 37])
+def test_validation_blocks_are_the_same_on_any_number_of_ranks(n):
+    """Blocks of consecutive samples, each once, as many batches on every rank."""
+    for dp in (1, 2, 3):
+        per_rank = [eval_batches(n, dp, r, micro_batch=4, block=16) for r in range(dp)]
+        assert len({len(b) for b in per_rank}) == 1
+        blocks = sorted(b for rank in per_rank for b in rank if b)
+        assert blocks == [list(range(s, min(s + 16, n))) for s in range(0, n, 16)]
+    shares = [eval_batches(21, 2, r, micro_batch=4) for r in range(2)]
+    assert [len(s) for s in shares] == [3, 3] and shares[1][-1] == [17, 19]
 
 
 def test_poolings_read_only_the_real_tokens():

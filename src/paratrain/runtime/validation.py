@@ -1,7 +1,9 @@
 """Validation of one rank, exact whatever the world size: every validation sample is visited once,
 and every rank runs the same number of batches (a rank out of samples runs one that counts
 nothing), so wrappers that communicate in forward (FSDP) never wait on a rank that has stopped.
-The loss is token-weighted over every rank, like training's (loop.py)."""
+The loss is token-weighted over every rank, like training's (loop.py). A task whose samples are
+scored against each other (`eval_block`, the embedding task's retrieval) gets whole blocks of
+consecutive samples as its batches, the same blocks whatever the world size."""
 
 from __future__ import annotations
 
@@ -29,6 +31,23 @@ def bound_line(plan: RunPlan, task: Task) -> Optional[str]:
         return None
     return (f"validation: the first {bound:,} of {held_out:,} held-out {task.sample_name} at "
             "each evaluation (trainer.eval_samples; null: every one)")
+
+
+def eval_batches(n: int, dp: int, data_rank: int, micro_batch: int,
+                 block: Optional[int] = None) -> list[list[int]]:
+    """This data rank's validation micro-batches (sample indices), as many on every rank (an
+    empty one: out of samples). Its EvalSampler share cut into micro-batches, or, with `block`,
+    the blocks of `block` consecutive samples (by global index) dealt to the ranks in turn: a
+    task that ranks a batch's samples against each other then ranks against the same candidates
+    on any number of ranks."""
+    if block:
+        mine = [list(range(s, min(s + block, n))) for s in range(block * data_rank, n, block * dp)]
+        n_batches = math.ceil(math.ceil(n / block) / dp)
+    else:
+        share = list(EvalSampler(n, dp, data_rank))
+        mine = [share[i:i + micro_batch] for i in range(0, len(share), micro_batch)]
+        n_batches = math.ceil(math.ceil(n / dp) / micro_batch)
+    return mine + [[] for _ in range(n_batches - len(mine))]
 
 
 class Validation:
@@ -65,25 +84,23 @@ class Validation:
             n = min(n, tr.eval_samples)
         if n == 0:
             return None, None
-        mine = list(EvalSampler(n, self.dp, self.data_rank))
         b = self.plan.micro_batch
-        n_batches = math.ceil(math.ceil(n / self.dp) / b)  # the same on every rank
+        block = getattr(self.task, "eval_block", None)
+        batches = eval_batches(n, self.dp, self.data_rank, b, block)
         was_training = self.model.training
         self.model.eval()
         if self.pipeline is not None:  # forward only through the stages; the last one sums
             total, count = self.pipeline.evaluate(
-                [collate([val_ds[j] for j in mine[i * b:(i + 1) * b]])
-                 if mine[i * b:(i + 1) * b] else None for i in range(n_batches)],
+                [collate([val_ds[j] for j in idx]) if idx else None for idx in batches],
                 b, self.plan.cfg.data.seq_length)
             self.model.train(was_training)
             return env.weighted_mean(total, count), None
         total = count = 0.0
         extra: dict = {}  # the task's counts, summed
         # a bar on rank 0 when validation lasts more than 2 s (the final one: ~20 s by default)
-        bar = ProgressBar(env, n_batches, enabled=tr.progress_bar, desc="validation",
+        bar = ProgressBar(env, len(batches), enabled=tr.progress_bar, desc="validation",
                           unit="batch", leave=False, delay_s=2.0)
-        for i in range(n_batches):
-            idx = mine[i * b:(i + 1) * b]
+        for idx in batches:
             if idx:
                 s, c, counts = self._batch(collate([val_ds[j] for j in idx]))
                 for key, value in counts.items():

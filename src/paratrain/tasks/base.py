@@ -11,7 +11,10 @@ counts it, so pads are never counted.
 A task may also count more than the loss at validation (optional, not in the protocol):
 `eval_counts(model, batch, device, amp, frozen)` -> (loss sum, loss units, {name: count}) and
 `eval_metrics({name: summed count})` -> figures reported with the validation loss; the loop sums
-the counts over every validation sample once and over all ranks (classify.py: accuracy).
+the counts over every validation sample once and over all ranks (classify.py: accuracy). A task
+whose validation scores samples against each other sets `eval_block` (an int): its validation
+batches are then blocks of that many consecutive samples, the same on any number of ranks
+(embedding.py: retrieval).
 Likewise while training: `train_counts(model, batch, device, amp, frozen)` -> (loss sum, loss
 units, {name: count}) replaces `loss` when a task has it, and `train_metrics({name: summed
 count})` -> figures logged with the loss; the loop sums the counts over micro-steps and ranks

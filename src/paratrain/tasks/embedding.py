@@ -17,12 +17,14 @@ sees B - 1 in-batch negatives (plus the hard negatives) whatever the world size,
 workers run the same steps. With gradient accumulation the candidates are those of one
 micro-step of every rank. The loss unit is an anchor (a pair).
 
-Validation reports the loss and, for anchor / positive records, retrieval over each validation
-batch (the rank's own, no gathering, since validation batches differ in size): `val_accuracy`
-(the anchor's positive ranked first among the batch's positives and negatives) and
-`val_mrr@10`. The saved model/ folder is a sentence-transformers folder (the transformers model,
-modules.json, 1_Pooling/, 2_Normalize/ with `embedding.normalize`), which
-`SentenceTransformer(path)` loads and which embeds a text as training did.
+Validation is exact whatever the world size: its batches are blocks of EVAL_BLOCK consecutive
+held-out pairs (by global index, dealt to the workers in turn: runtime/validation.py), each pair
+once, and each anchor is scored against its block's positives and negatives. It reports the
+loss and, for anchor / positive records, `val_accuracy` (the anchor's positive ranked first) and
+`val_mrr@10`, counts summed over the workers. The saved model/ folder is a sentence-transformers
+folder (the transformers model, modules.json, 1_Pooling/, 2_Normalize/ with
+`embedding.normalize`), which `SentenceTransformer(path)` loads and which embeds a text as
+training did.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from ..errors import ConfigError
 from .base import NO_FROZEN, Frozen, to_device
 from .hf import Encoder, PretrainedTask
 
+EVAL_BLOCK = 16  # held-out pairs ranked against each other: the same on any number of workers
 POOLINGS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
             "last": "pooling_mode_lasttoken"}  # sentence-transformers' Pooling keys
 
@@ -100,6 +103,21 @@ def ranking_losses(anchors: torch.Tensor, docs: list[torch.Tensor], scale: float
     return losses
 
 
+def positive_ranks(anchors: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """(B,) the rank (1: first) of each anchor's own positive among `docs` ((k B, H): the B
+    positives, then any hard negatives) by cosine similarity; ties rank the positive first."""
+    scores = _cos(anchors, docs)  # (B, k B)
+    own = scores.diagonal().unsqueeze(1)  # (B, 1) each anchor's positive
+    return (scores > own).sum(1) + 1
+
+
+def retrieval_counts(ranks: torch.Tensor) -> dict:
+    """Counts summed over the workers: top1 (positive first), rr10 (reciprocal rank within 10)."""
+    return {"top1": (ranks == 1).sum().double(),
+            "rr10": torch.where(ranks <= 10, 1.0 / ranks, 0.0).sum().double(),
+            "samples": float(ranks.shape[0])}
+
+
 def cosine_loss(texts: tuple[torch.Tensor, ...], score: torch.Tensor
                 ) -> tuple[torch.Tensor, int, dict]:
     """CosineSimilarityLoss summed over scored pairs: (cos(u, v) - score)^2, u, v (B, H)."""
@@ -117,6 +135,7 @@ class EmbeddingTask(PretrainedTask):
     """A pretrained model pooled into text embeddings (module docstring)."""
     sample_name: ClassVar[str] = "pairs"
     unit_name: ClassVar[str] = "pairs"
+    eval_block: ClassVar[int] = EVAL_BLOCK  # validation batches: blocks of consecutive pairs
     perplexity: ClassVar[bool] = False
     units_per_sample: ClassVar[Optional[int]] = 1  # an anchor (or a scored pair)
     lora_task_type: ClassVar[str] = "FEATURE_EXTRACTION"
@@ -174,19 +193,18 @@ class EmbeddingTask(PretrainedTask):
     def eval_counts(self, model: nn.Module, batch: dict, device: torch.device,
                     amp: ContextManager, frozen: Frozen = NO_FROZEN
                     ) -> tuple[torch.Tensor, int, dict]:
-        """The loss within this rank's batch (anchors to candidates), and how its anchors rank
-        their positives."""
+        """The loss of a block of held-out pairs (each anchor against the block's candidates),
+        and how its anchors rank their positives."""
         batch = to_device(batch, device)
         texts = self.embed(model, batch, amp)
         if "score" in batch:
             return cosine_loss(texts, batch["score"])
-        scores = _cos(texts[0], torch.cat(texts[1:]))  # (B, k B)
-        B, idx = scores.shape[0], torch.arange(scores.shape[0], device=scores.device)
-        rank = (scores > scores[idx, idx].unsqueeze(1)).sum(1) + 1  # (B,) 1: positive first
-        loss = F.cross_entropy(self.cfg.embedding.scale * scores, idx, reduction="sum")
-        return loss, B, {"top1": (rank == 1).sum().double(),
-                         "rr10": torch.where(rank <= 10, 1.0 / rank, 0.0).sum().double(),
-                         "samples": float(B)}
+        docs = torch.cat(texts[1:])  # (k B, H)
+        B = texts[0].shape[0]
+        own = torch.arange(B, device=docs.device)  # (B,)
+        loss = F.cross_entropy(self.cfg.embedding.scale * _cos(texts[0], docs), own,
+                               reduction="sum")
+        return loss, B, retrieval_counts(positive_ranks(texts[0], docs))
 
     def eval_metrics(self, counts: dict) -> dict:
         n = counts.get("samples", 0.0)
