@@ -246,7 +246,7 @@ def _prepare_on_nodes(cfg: TrainConfig, nodes: Any, env: DistEnv,
     goes first: a cache in a shared folder is built once and reused by the others, a node
     with a folder of its own builds its own copy."""
     if given is None and getattr(cfg.task.load(), "reads_corpus", False) \
-            and not cfg.distributed.elastic:
+            and nodes.nnodes > 1 and not cfg.distributed.elastic:
         from .data.cache import prepare_data
         share = nodes.data_share(cfg.cache_dir)
         if share.splits:
