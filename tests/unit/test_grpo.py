@@ -111,7 +111,7 @@ def test_a_prompts_completions_do_not_depend_on_its_batch(tmp_path):
                                       num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config)
     how = Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20)
-    short, long_ = torch.tensor([[5, 6, 7]]), torch.tensor([[1, 2, 3, 4, 5, 6, 8]])
+    short = torch.tensor([[5, 6, 7]])  # alone; then beside [1, 2, 3, 4, 5, 6, 8]
     alone, alone_mask = sample_completions(model, short, torch.ones_like(short),
                                            [prompt_generator(1, 3, 11)], 3, how, 0, 0)
     both = torch.tensor([[0, 0, 0, 0, 5, 6, 7], [1, 2, 3, 4, 5, 6, 8]])
