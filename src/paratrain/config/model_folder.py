@@ -49,6 +49,15 @@ def _read_model_config(file: str, mtime_ns: int, size: int) -> dict:
     return info
 
 
+def refuse_encoder_decoder(path: Optional[str], trains: str) -> None:
+    """One ConfigError line when model.path holds an encoder-decoder model (T5, BART) and the
+    task cannot train one; `trains` says what it trains instead."""
+    info = model_config(path)
+    if info.get("is_encoder_decoder"):
+        raise ConfigError(f"model.path={path!r} is an encoder-decoder model "
+                          f"({info.get('model_type', '?')}); {trains}")
+
+
 def model_positions(path: Optional[str]) -> Optional[int]:
     """The longest sequence model.path's config.json says the model takes (None: not stated)."""
     info = model_config(path) if path else {}

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..config.model_folder import model_config
+from ..config.model_folder import refuse_encoder_decoder
 from ..errors import ConfigError
 from .base import NO_FROZEN, Frozen, to_device
 from .hf import Encoder, PretrainedTask
@@ -143,11 +143,8 @@ class EmbeddingTask(PretrainedTask):
 
     @classmethod
     def check_model(cls, cfg: Any) -> None:
-        info = model_config(cfg.model.path)
-        if info.get("is_encoder_decoder"):
-            raise ConfigError(f"model.path={cfg.model.path!r} is an encoder-decoder model "
-                              f"({info.get('model_type', '?')}); data.format=embedding trains "
-                              "an encoder (BERT-like) or a decoder-only model")
+        refuse_encoder_decoder(cfg.model.path, "data.format=embedding trains an encoder "
+                                               "(BERT-like) or a decoder-only model")
 
     @classmethod
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
@@ -165,7 +162,7 @@ class EmbeddingTask(PretrainedTask):
 
     def load_pretrained(self) -> nn.Module:
         from ..models.hf import HFArgs, build_hf
-        return build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer), auto_class="AutoModel"))
+        return build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer), auto_class=self.auto_class))
 
     def count_units(self, batch: dict) -> int:
         return int(batch["input_ids"].shape[0]) // batch["columns"]

@@ -16,9 +16,8 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ..config.model_folder import model_config
+from ..config.model_folder import refuse_encoder_decoder
 from ..config.tree import TrainConfig
-from ..errors import ConfigError
 from .base import TokenLoss
 from .hf import Encoder, PretrainedTask
 
@@ -32,11 +31,8 @@ class CausalLMTask(TokenLoss, PretrainedTask):
     @classmethod
     def check_model(cls, cfg: TrainConfig) -> None:
         """Decoder-only models only: an encoder-decoder gets one line, not a stack trace."""
-        info = model_config(cfg.model.path)
-        if info.get("is_encoder_decoder"):
-            raise ConfigError(f"model.path={cfg.model.path!r} is an encoder-decoder model "
-                              f"({info.get('model_type', '?')}); fine-tuning supports "
-                              "decoder-only causal LMs for now")
+        refuse_encoder_decoder(cfg.model.path, "fine-tuning supports decoder-only causal LMs "
+                                               "for now")
 
     @classmethod
     def encoder(cls, cfg: TrainConfig, tokenizer: Any, notes: list) -> Encoder:
