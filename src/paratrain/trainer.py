@@ -106,7 +106,7 @@ class Trainer:
                                   "model= and train_data= out")
             self.given, finetune = task, ["run.name=custom"]
         elif isinstance(model, (str, Path)) and train_prompts is not None:  # preference lists
-            from .data.preference import rows_from_preference_lists
+            from .tasks.preference.pairs import rows_from_preference_lists
             train = rows_from_preference_lists(train_prompts, train_chosen or [],
                                                train_rejected or [])
             val = rows_from_preference_lists(validation_prompts, validation_chosen or [],
@@ -125,7 +125,7 @@ class Trainer:
             raise ConfigError("pass model= (a factory returning an nn.Module) and train_data= (a "
                               "map-style dataset) together, or neither")
         if reward_functions is not None:  # by name: the workers import them
-            from .tasks.rewards import reward_name
+            from .tasks.rl.rewards import reward_name
             finetune.append("rl.reward_functions=" + _dot_value(
                 [f if isinstance(f, str) else reward_name(f) for f in reward_functions]))
         if cfg is None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from paratrain.tasks.preference import DPOTask
+from paratrain.tasks.preference.dpo import DPOTask
 
 
 @dataclass

@@ -94,9 +94,9 @@ def _paratrain_embeddings(model_dir: Path, texts: list[str]) -> torch.Tensor:
     """The texts embedded as training embedded them: paratrain's encoder, collate, pooling."""
     import transformers
 
-    from paratrain.data.embedding import EmbeddingCollate, embedding_dataset, encode_embedding
+    from paratrain.tasks.embedding.records import EmbeddingCollate, embedding_dataset, encode_embedding
     from paratrain.data.hf_tokenizer import load_tokenizer
-    from paratrain.tasks.embedding import pool
+    from paratrain.tasks.embedding.embedder import pool
     tok, _ = load_tokenizer(model_dir)
     rows = [{"anchor": t, "positive": t} for t in texts]
     ds = embedding_dataset(encode_embedding(rows, tok, max_length=64)[0])

@@ -40,7 +40,7 @@ def _setfit(run_dir: Path, llama: Path, train: Path, val: Path, **extra) -> Path
 @pytest.mark.slow
 def test_setfit_on_one_and_two_workers_and_with_the_setfit_package(tmp_path, preference_llama):
     pytest.importorskip("sklearn")
-    from paratrain.tasks.setfit import predict
+    from paratrain.tasks.embedding.setfit import predict
     train = write_jsonl(tmp_path / "train.jsonl", _labelled(16, 0))
     val = write_jsonl(tmp_path / "val.jsonl", _labelled(8, 1))
     one = _setfit(tmp_path / "one", preference_llama, train, val,

@@ -11,7 +11,7 @@ import torch
 
 from paratrain.errors import ConfigError, DataError
 from paratrain.runtime.validation import eval_batches
-from paratrain.tasks.embedding import (cosine_loss, pool, positive_ranks, ranking_losses,
+from paratrain.tasks.embedding.embedder import (cosine_loss, pool, positive_ranks, ranking_losses,
                                        retrieval_counts)
 from tests.unit.test_preference import _model_folder
 
@@ -82,7 +82,7 @@ def test_poolings_read_only_the_real_tokens():
 
 
 def test_records_of_each_kind_and_bad_records_are_one_line():
-    from paratrain.data.embedding import EmbeddingCollate, embedding_dataset, encode_embedding
+    from paratrain.tasks.embedding.records import EmbeddingCollate, embedding_dataset, encode_embedding
     tok = lambda texts, **kw: {"input_ids": [[len(w) for w in t.split()] for t in texts]}  # noqa
     rows = [{"anchor": "a bb", "positive": "ccc", "negative": "dd e"}] * 3
     examples, note = encode_embedding(rows, tok, max_length=8, source_name="t.jsonl")
@@ -116,7 +116,7 @@ def test_bad_embedding_keys_are_one_line(tmp_path, override, message):
 
 
 def test_setfit_pairs_are_drawn_from_the_labels():
-    from paratrain.tasks.setfit import draw_pairs
+    from paratrain.tasks.embedding.setfit import draw_pairs
     examples = [{"input_ids": [i], "label": i % 3} for i in range(9)]
     pairs = draw_pairs(examples, rounds=2, seed=0)
     assert len(pairs) == 2 * 2 * 9 and pairs == draw_pairs(examples, rounds=2, seed=0)

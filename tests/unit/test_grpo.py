@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from paratrain.errors import TrainingError
-from paratrain.tasks.grpo_loss import LossOptions, reduce_loss, token_terms
-from paratrain.tasks.rewards import Rewards, group_advantages
+from paratrain.tasks.rl.grpo_loss import LossOptions, reduce_loss, token_terms
+from paratrain.tasks.rl.rewards import Rewards, group_advantages
 from tests.conftest import cli_error
 
 N, C = 6, 7  # completions, completion tokens
@@ -104,7 +104,7 @@ def test_a_prompts_completions_do_not_depend_on_its_batch(tmp_path):
     """The same prompt, step and index give the same completions whether sampled alone or
     beside other (longer, so left-padded) prompts: what 1 and N workers rely on."""
     transformers = pytest.importorskip("transformers")
-    from paratrain.tasks.rollout import Sampling, prompt_generator, sample_completions
+    from paratrain.tasks.rl.rollout import Sampling, prompt_generator, sample_completions
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -151,8 +151,8 @@ def test_the_plans_generation_cache_is_what_a_generation_holds(hf_llama, tmp_pat
     sampled is never fed back, so the real cache is one token shorter)."""
     transformers = pytest.importorskip("transformers")
     from paratrain.config.tree import TrainConfig
-    from paratrain.tasks.rl_memory import GenerationCache
-    from paratrain.tasks.rollout import Sampling, prompt_generator, sample_completions
+    from paratrain.tasks.rl.memory import GenerationCache
+    from paratrain.tasks.rl.rollout import Sampling, prompt_generator, sample_completions
 
     def planned(generations: int, new: int, prompts: int = 2, prompt_tokens: int = 6) -> int:
         cfg = TrainConfig.from_yaml(None, [
@@ -249,7 +249,7 @@ def _trl_ppo(scores, logprobs, ref_logprobs, values, vpreds, new_logprobs, mask,
 def test_ppo_loss_and_gradient_equal_trls_formulas():
     """Rewards, GAE, whitening and the clipped policy + value loss, and the gradients with
     respect to the new log-probs and values (1e-6; float64)."""
-    from paratrain.tasks.ppo_loss import PPOOptions, gae, ppo_token_losses, token_rewards, whiten
+    from paratrain.tasks.rl.ppo_loss import PPOOptions, gae, ppo_token_losses, token_rewards, whiten
     t = _tensors(1)
     g = torch.Generator().manual_seed(2)
     o = PPOOptions(kl_coef=0.1, gamma=0.99, lam=0.9, epsilon=0.2, cliprange_value=0.1,

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from paratrain.data.kto import KTOCollate, encode_kto
-from paratrain.data.preference import PreferenceFields, preference_dataset
+from paratrain.tasks.preference.kto_records import KTOCollate, encode_kto
+from paratrain.tasks.preference.pairs import PreferenceFields, preference_dataset
 from paratrain.errors import ConfigError, DataError
 from tests.unit.test_preference import ROWS, _cfg, _ids, _model_folder, tok  # noqa: F401
 

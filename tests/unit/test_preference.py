@@ -14,7 +14,7 @@ import torch
 
 from paratrain.config import TrainConfig
 from paratrain.data.dataset import IGNORE_INDEX
-from paratrain.data.preference import (
+from paratrain.tasks.preference.pairs import (
     PairCollate,
     preference_dataset,
     PreferenceFields,
@@ -152,7 +152,7 @@ def test_reward_texts_are_what_the_tokenizer_gives_transformers(tok):
 
 
 def test_dpo_losses_at_known_points():
-    from paratrain.tasks.preference import DPO_LOSSES
+    from paratrain.tasks.preference.dpo import DPO_LOSSES
     z = torch.tensor([0.0, 2.0])
     assert DPO_LOSSES["sigmoid"](z, 0.1, 0.0)[0].item() == pytest.approx(math.log(2), abs=1e-7)
     expected = -math.log(1 / (1 + math.exp(-0.2)))

@@ -27,9 +27,9 @@ def test_the_built_in_formats_and_what_they_are():
     from paratrain.tasks.sft import ChatTask, PairsTask
     from paratrain.tasks.classify import ClassifyTask
     from paratrain.tasks.pretraining import LMTask
-    from paratrain.tasks.preference import DPOTask
-    from paratrain.tasks.embedding import EmbeddingTask
-    from paratrain.tasks.grpo import GRPOTask
+    from paratrain.tasks.preference.dpo import DPOTask
+    from paratrain.tasks.embedding.embedder import EmbeddingTask
+    from paratrain.tasks.rl.grpo import GRPOTask
     assert [registry.get(n).load() for n in registry.names()] == \
         [LMTask, LMTask, PairsTask, ChatTask, ClassifyTask, DPOTask, EmbeddingTask, GRPOTask]
 

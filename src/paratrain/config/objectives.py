@@ -9,7 +9,7 @@ from typing import Optional
 
 @dataclass
 class DPOConfig:
-    """Direct preference optimization (trainer.objective=dpo); see tasks/preference.py."""
+    """Direct preference optimization (trainer.objective=dpo); see tasks/preference/dpo.py."""
     beta: float = 0.1
     """How far the policy may move from the reference."""
     loss: str = "sigmoid"
@@ -26,7 +26,7 @@ class DPOConfig:
 
 @dataclass
 class KTOConfig:
-    """Kahneman-Tversky optimization (trainer.objective=kto); see tasks/kto.py. The reference
+    """Kahneman-Tversky optimization (trainer.objective=kto); see tasks/preference/kto.py. The reference
     is chosen as DPO's: a frozen copy, LoRA's adapters off, or dpo.reference."""
     beta: float = 0.1
     """How far the policy may move from the reference."""
@@ -38,7 +38,7 @@ class KTOConfig:
 
 @dataclass
 class EmbeddingConfig:
-    """Sentence-embedding models (data.format=embedding); see tasks/embedding.py."""
+    """Sentence-embedding models (data.format=embedding); see tasks/embedding/embedder.py."""
     pooling: str = "mean"
     """mean | cls | last (the last real token: decoder models)."""
     scale: float = 20.0

@@ -284,33 +284,33 @@ register(TaskSpec(
     generate="paratrain.tasks.classify:generate_label",
     summary="a pretrained model with a sequence-classification head on labelled texts"))
 register(TaskSpec(
-    "preference", "paratrain.tasks.preference:DPOTask", pretrained=True, objective="dpo",
+    "preference", "paratrain.tasks.preference.dpo:DPOTask", pretrained=True, objective="dpo",
     record_fields=PREFERENCE_FIELDS, checks=(_check_preference, _check_dpo),
     generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as pairs' inputs
     summary="DPO: a pretrained causal LM on prompt/chosen/rejected records, against a frozen "
             "reference"))
 register(TaskSpec(
-    "preference", "paratrain.tasks.reward:RewardTask", pretrained=True, objective="reward",
+    "preference", "paratrain.tasks.preference.reward:RewardTask", pretrained=True, objective="reward",
     record_fields=PREFERENCE_FIELDS, checks=(_check_preference,), encoder_decoder=None,
-    generate="paratrain.tasks.reward:generate_score",
+    generate="paratrain.tasks.preference.reward:generate_score",
     summary="a reward model (a one-score head) on preference pairs, Bradley-Terry loss"))
 register(TaskSpec(
-    "preference", "paratrain.tasks.kto:KTOTask", pretrained=True, objective="kto",
+    "preference", "paratrain.tasks.preference.kto:KTOTask", pretrained=True, objective="kto",
     record_fields=PREFERENCE_FIELDS, checks=(_check_kto,),
     generate="paratrain.models.hf:generate_hf_reply",
     summary="KTO: a pretrained causal LM on desirable / undesirable completions (preference "
             "pairs, or prompt/completion/label records), against a frozen reference"))
 register(TaskSpec(
-    "embedding", "paratrain.tasks.embedding:EmbeddingTask", pretrained=True,
+    "embedding", "paratrain.tasks.embedding.embedder:EmbeddingTask", pretrained=True,
     objective="embedding", record_fields=("anchor", "positive"), checks=(_check_embedding,),
-    encoder_decoder=None, generate="paratrain.tasks.embedding:generate_embedding",
+    encoder_decoder=None, generate="paratrain.tasks.embedding.embedder:generate_embedding",
     summary="a sentence-embedding model (an encoder or decoder, pooled) on anchor/positive"
             "[/negative] records (in-batch negatives gathered over every worker) or scored "
             "text1/text2 pairs (cosine similarity)"))
 register(TaskSpec(
-    "classify", "paratrain.tasks.setfit:SetFitTask", pretrained=True, objective="setfit",
+    "classify", "paratrain.tasks.embedding.setfit:SetFitTask", pretrained=True, objective="setfit",
     record_fields=("text", "label"), checks=(_check_classify, _check_embedding),
-    encoder_decoder=None, generate="paratrain.tasks.setfit:generate_setfit_label",
+    encoder_decoder=None, generate="paratrain.tasks.embedding.setfit:generate_setfit_label",
     summary="SetFit: an embedding model trained on pairs drawn from labelled texts, then a "
             "logistic-regression head"))
 register(TaskSpec(
@@ -320,13 +320,13 @@ register(TaskSpec(
     summary="a pretrained encoder-decoder model (T5, BART) on input->output pairs, the loss on "
             "the outputs"))
 register(TaskSpec(
-    "prompts", "paratrain.tasks.grpo:GRPOTask", pretrained=True, objective="grpo",
+    "prompts", "paratrain.tasks.rl.grpo:GRPOTask", pretrained=True, objective="grpo",
     record_fields=("prompt",), checks=(check_rl,),
     generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as in training
     summary="online RL (GRPO): a pretrained causal LM samples completions of prompts and learns "
             "from their rewards (rl.*)"))
 register(TaskSpec(
-    "prompts", "paratrain.tasks.ppo:PPOTask", pretrained=True, objective="ppo",
+    "prompts", "paratrain.tasks.rl.ppo:PPOTask", pretrained=True, objective="ppo",
     record_fields=("prompt",), checks=(check_rl,),
     generate="paratrain.models.hf:generate_hf_reply",
     summary="online RL (PPO): a pretrained causal LM with a value head learns from the rewards "

@@ -1,4 +1,4 @@
-"""The `rl` section (online RL: tasks/grpo.py, tasks/ppo.py) and what it may hold, checked when
+"""The `rl` section (online RL: tasks/rl/grpo.py, tasks/rl/ppo.py) and what it may hold, checked when
 a config is built, torch-free: one line naming the key and a value that works. Whether each
 reward function can be imported is checked by the task before any worker starts (importing may
 need torch)."""
@@ -16,7 +16,7 @@ from ..errors import ConfigError, check_choice
 class RLConfig:
     """Online RL (data.format=prompts, trainer.objective=grpo or ppo): the policy samples
     completions of each prompt, they are scored, and it learns from them; TRL 1.16
-    GRPOTrainer's defaults and names (PPO: TRL's PPOTrainer). See tasks/grpo.py, tasks/ppo.py."""
+    GRPOTrainer's defaults and names (PPO: TRL's PPOTrainer). See tasks/rl/grpo.py, tasks/rl/ppo.py."""
     reward_functions: List[str] = field(default_factory=list)
     """`module:function` names of reward functions `f(prompts, completions) -> list[float]`,
     one score per completion; the Python API also takes the functions themselves."""

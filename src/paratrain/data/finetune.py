@@ -294,3 +294,20 @@ def _encode_conversations(tokenizer: Any, conversations: List[List[dict]], eos: 
 
 
 # ---- datasets, batches, splits -----------------------------------------------------------
+
+
+def messages_or_text(row: Dict[str, Any], field: str, setting: str, source_name: str,
+                      row_number: int) -> Any:
+    """A record's field as text, or as a list of {role, content} messages (one message dict
+    counts as a list of one): what pairs, prompts and chats may hold."""
+    value = row_field(row, field, setting, source_name, row_number)
+    if isinstance(value, dict):  # one message
+        value = [value]
+    if isinstance(value, list):
+        for m in value:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise DataError(f"{source_name}: row {row_number} field {field!r}: every "
+                                "message must be a dict with text 'role' and 'content'")
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    return row_text(row, field, setting, source_name, row_number)

@@ -127,7 +127,7 @@ def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, mi
     than the world), shard over all, shard and recompute, shard and offload. `frozen_factory`:
     the models a task runs without training them, held (and sharded) like the trained one's
     parameters, with no gradients or optimizer state. `cache`: online RL's generation cache
-    (tasks/rl_memory.GenerationCache) for `micro_batch` prompts, on every device whatever the
+    (tasks/rl/memory.GenerationCache) for `micro_batch` prompts, on every device whatever the
     layout; it is freed before the training forward, so the peak holds the larger of it and the
     activations."""
     with torch.device("meta"):

@@ -171,7 +171,7 @@ class TrainLoop:
         return result
 
     def _rollout(self, micro: list[Any]) -> tuple[list[Any], dict]:
-        """A task that learns from its own samples (online RL, tasks/grpo.py) turns the step's
+        """A task that learns from its own samples (online RL, tasks/rl/grpo.py) turns the step's
         prompts into scored completions first (`rollout`), with figures summed like `counts`."""
         rollout = getattr(self.task, "rollout", None)
         if rollout is None:

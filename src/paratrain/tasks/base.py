@@ -53,7 +53,7 @@ class MemoryProbe:
     seq_length: int
     vocab_size: int
     build_frozen: Optional[Callable[[], dict[str, nn.Module]]] = None
-    cache: Any = None  # online RL's generation cache (rl_memory.GenerationCache), or None
+    cache: Any = None  # online RL's generation cache (rl/memory.GenerationCache), or None
 
 
 @dataclass

@@ -108,3 +108,9 @@ def save_lora(model: nn.Module, model_dir: Optional[Path], adapter_dir: Optional
         with atomic_dir(model_dir) as tmp:
             merged.save_pretrained(tmp, safe_serialization=True)
             add_files(tmp)
+
+
+def adapters_of(model: nn.Module) -> nn.Module:
+    """The peft model inside whatever wraps it (DDP's module; FSDP2 shards it in place)."""
+    import peft
+    return next(m for m in model.modules() if isinstance(m, peft.PeftModel))

@@ -20,8 +20,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import ConfigError, TrainingError
-from ..formatting import first_line
+from ...errors import ConfigError, TrainingError
+from ...formatting import first_line
 from .reward_models import RewardModelScorer, reward_model_key
 
 RewardFn = Callable[[list, list], Sequence[float]]

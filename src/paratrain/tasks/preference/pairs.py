@@ -27,11 +27,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..errors import ConfigError, DataError
-from .dataset import IGNORE_INDEX
-from .finetune import check_inputs, row_field, row_text, tokenize_texts
-from .hf_tokenizer import eos_id, render_chat, special_prefix, use_chat_template
-from .ragged import RaggedDataset, pad_rows
+from ...errors import ConfigError, DataError
+from ...data.dataset import IGNORE_INDEX
+from ...data.finetune import check_inputs, messages_or_text, row_field, tokenize_texts
+from ...data.hf_tokenizer import eos_id, render_chat, special_prefix, use_chat_template
+from ...data.ragged import RaggedDataset, pad_rows
 
 # {"chosen": [ids], "rejected": [ids], "prompt_len": int, "margin": float}: whole sequences
 Pair = Dict[str, Any]
@@ -106,8 +106,8 @@ def preference_texts(rows: Sequence[Dict[str, Any]], tokenizer: Any, f: Preferen
     out = []
     for i, row in enumerate(rows, start=1):
         where = f"{source_name}: row {i}"
-        prompt = _messages_or_text(row, f.prompt, "data.prompt_field", source_name, i)
-        answers = [_messages_or_text(row, key, setting, source_name, i) for key, setting in
+        prompt = messages_or_text(row, f.prompt, "data.prompt_field", source_name, i)
+        answers = [messages_or_text(row, key, setting, source_name, i) for key, setting in
                    ((f.chosen, "data.chosen_field"), (f.rejected, "data.rejected_field"))]
         margin = 0.0
         if f.margin is not None:
@@ -156,21 +156,6 @@ def _empty(value: Any) -> bool:
         value = [value]
     return isinstance(value, list) and not any(
         isinstance(m, dict) and str(m.get("content") or "").strip() for m in value)
-
-
-def _messages_or_text(row: Dict[str, Any], field: str, setting: str, source_name: str,
-                      row_number: int) -> Any:
-    value = row_field(row, field, setting, source_name, row_number)
-    if isinstance(value, dict):  # one message
-        value = [value]
-    if isinstance(value, list):
-        for m in value:
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)):
-                raise DataError(f"{source_name}: row {row_number} field {field!r}: every "
-                                "message must be a dict with text 'role' and 'content'")
-        return [{"role": m["role"], "content": m["content"]} for m in value]
-    return row_text(row, field, setting, source_name, row_number)
 
 
 def encode_dpo(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: PreferenceFields, *,

@@ -3,7 +3,7 @@ classification model, such as what `trainer.objective=reward` writes to its run'
 
 Each is built once per worker and handed to the run as a frozen model (`GRPOTask.build_frozen`):
 placed, sharded and precision-cast like the policy, never trained or saved. A completion is
-scored as the reward model was trained (tasks/reward.py): the prompt followed by the completion,
+scored as the reward model was trained (tasks/preference/reward.py): the prompt followed by the completion,
 one text tokenized whole by the reward model's own tokenizer; a chat prompt is rendered with
 that tokenizer's chat template (the completion as the assistant turn).
 """
@@ -16,7 +16,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 def reward_model_key(i: int) -> str:
@@ -28,7 +28,7 @@ def load_reward_model(folder: str) -> nn.Module:
     """The folder's AutoModelForSequenceClassification (local safetensors only), one label."""
     import transformers
 
-    from ..models.hf import quiet_transformers
+    from ...models.hf import quiet_transformers
     quiet_transformers()
     path = Path(folder).expanduser()
     model = transformers.AutoModelForSequenceClassification.from_pretrained(

@@ -20,7 +20,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from .base import NO_FROZEN, Frozen
+from ..base import NO_FROZEN, Frozen
 from .grpo import GRPOTask
 from .ppo_loss import PPOOptions, gae, ppo_token_losses, token_rewards, whiten
 
@@ -65,7 +65,7 @@ class PPOTask(GRPOTask):
     def build_model(self) -> nn.Module:
         """The policy with its value head; FSDP shards the head as a unit of its own beside the
         blocks (in the root's group its weight was freed before backward reached it)."""
-        from ..parallel.blocks import find_block_lists
+        from ...parallel.blocks import find_block_lists
         model = PolicyWithValue(super().build_model())
         blocks = {type(b) for layers in find_block_lists(model) for b in layers.children()}
         self.fsdp_wrap = (*blocks, ValueHead)
@@ -150,7 +150,7 @@ class PPOTask(GRPOTask):
         policy_state = {k[len("policy."):]: v for k, v in state.items()
                         if k.startswith("policy.")}
         if self.lora:
-            from .lora import ADAPTER_DIR
+            from ..lora import ADAPTER_DIR
             fresh = GRPOTask.build_model(self)  # the policy alone, to hold its state
             fresh.load_state_dict(policy_state)
             self.save_lora(fresh, merged=out_dir, adapter=out_dir.parent / ADAPTER_DIR)

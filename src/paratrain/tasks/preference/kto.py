@@ -8,7 +8,7 @@ drives TRL's own code on the same batch):
     loss   = desirable_weight   * (1 - sigmoid(beta (r - KL)))     for a desirable example
              undesirable_weight * (1 - sigmoid(beta (KL - r)))     for an undesirable one
 
-averaged over the examples. The mismatched sequences (data/kto.py: each prompt with another
+averaged over the examples. The mismatched sequences (tasks/preference/kto_records.py: each prompt with another
 example's completion) are scored by policy and reference without gradients. TRL averages the
 per-device KL estimates over the processes; here the sums and counts are added over the
 data-parallel ranks of the micro-step, so 1 and N workers with the same global batch (no
@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..formatting import human_count
-from .base import NO_FROZEN, Frozen, sequence_logps, to_device
-from .hf import Encoder
-from .preference import DPOTask, PairEncoder
+from ...formatting import human_count
+from ..base import NO_FROZEN, Frozen, sequence_logps, to_device
+from ..hf import Encoder
+from .dpo import DPOTask, PairEncoder
 
 
 @dataclass
@@ -45,12 +45,12 @@ class KTOTask(DPOTask):
 
     @classmethod
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
-        from ..data.kto import encode_kto
+        from .kto_records import encode_kto
         return PairEncoder(encode_kto, cfg, tokenizer, notes)
 
     @property
     def collate(self) -> Callable[[list], Any]:
-        from ..data.kto import KTOCollate
+        from .kto_records import KTOCollate
         return KTOCollate(self.tokenizer.pad_token_id)
 
     def train_counts(self, model: nn.Module, batch: dict, device: torch.device,

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..fileio import atomic_write_path
+from ...fileio import atomic_write_path
 
 CACHE_VERSION = 1
 _CHUNK = 1 << 20
@@ -57,7 +57,7 @@ def attach_reference(task: Any, env: Any, log: Callable[[str], None]) -> None:
 @torch.no_grad()
 def _logps(task: Any, model: torch.nn.Module, ds: Any, batch_size: int,
            device: torch.device) -> np.ndarray:
-    from .base import sequence_logps, to_device
+    from ..base import sequence_logps, to_device
     out = []
     for start in range(0, len(ds), batch_size):
         batch = task.collate([ds[i] for i in range(start, min(start + batch_size, len(ds)))])

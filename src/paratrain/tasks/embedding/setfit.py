@@ -26,10 +26,10 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import ConfigError
-from .classify import EncodeLabelled
-from .embedding import EmbeddingTask, embed_folder, load_embedder
-from .hf import Encoder
+from ...errors import ConfigError
+from ..classify import EncodeLabelled
+from .embedder import EmbeddingTask, embed_folder, load_embedder
+from ..hf import Encoder
 
 
 def draw_pairs(examples: Sequence[dict], rounds: int, seed: int) -> list[dict]:

@@ -65,7 +65,7 @@ class GroupProbe:
     def __call__(self) -> nn.Module:
         import transformers
 
-        from .lora import apply_lora
+        from ..lora import apply_lora
         config = transformers.AutoConfig.from_pretrained(self.cfg.model.path,
                                                          local_files_only=True)
         model = transformers.AutoModelForCausalLM.from_config(config)

@@ -40,10 +40,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..config.model_folder import refuse_encoder_decoder
-from ..errors import ConfigError
-from .base import NO_FROZEN, Frozen, to_device
-from .hf import Encoder, PretrainedTask
+from ...config.model_folder import refuse_encoder_decoder
+from ...errors import ConfigError
+from ..base import NO_FROZEN, Frozen, to_device
+from ..hf import Encoder, PretrainedTask
 
 EVAL_BLOCK = 16  # held-out pairs ranked against each other: the same on any number of workers
 POOLINGS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
@@ -152,16 +152,16 @@ class EmbeddingTask(PretrainedTask):
 
     @classmethod
     def dataset(cls, examples: list) -> Any:
-        from ..data.embedding import embedding_dataset
+        from .records import embedding_dataset
         return embedding_dataset(examples)
 
     @property
     def collate(self) -> Callable[[list], Any]:
-        from ..data.embedding import EmbeddingCollate
+        from .records import EmbeddingCollate
         return EmbeddingCollate(self.tokenizer.pad_token_id)
 
     def load_pretrained(self) -> nn.Module:
-        from ..models.hf import HFArgs, build_hf
+        from ...models.hf import HFArgs, build_hf
         return build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer), auto_class=self.auto_class))
 
     def count_units(self, batch: dict) -> int:
@@ -213,7 +213,7 @@ class EmbeddingTask(PretrainedTask):
     def add_files(self, folder: Path) -> None:
         """The tokenizer (with the pad token it trained with: sentence-transformers pads) and,
         beside a model's weights (not an adapter's), sentence-transformers' files."""
-        from ..models.hf import make_portable
+        from ...models.hf import make_portable
         self.tokenizer.save_pretrained(folder)
         make_portable(folder)
         if (folder / "config.json").is_file():
@@ -259,7 +259,7 @@ class _Encode(Encoder):
         self.tokenizer, self.max_length, self.notes = tokenizer, max_length, notes
 
     def __call__(self, rows: list, source_name: str) -> list:
-        from ..data.embedding import encode_embedding
+        from .records import encode_embedding
         examples, note = encode_embedding(rows, self.tokenizer, max_length=self.max_length,
                                           source_name=source_name)
         self.notes.append(note)
@@ -280,7 +280,7 @@ def load_embedder(folder: Path) -> tuple[nn.Module, str]:
 def embed_folder(model: nn.Module, pooling: str, texts: list, pad_id: int,
                  batch: int = 32) -> torch.Tensor:
     """(N, H) float32 embeddings of token-id lists, `batch` at a time, right-padded."""
-    from ..data.ragged import pad_rows
+    from ...data.ragged import pad_rows
     out = []
     for start in range(0, len(texts), batch):
         ids, mask = pad_rows([torch.as_tensor(t) for t in texts[start:start + batch]], pad_id)

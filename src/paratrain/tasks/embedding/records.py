@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..errors import DataError
-from .finetune import check_inputs, row_text
-from .ragged import RaggedDataset, pad_rows
+from ...errors import DataError
+from ...data.finetune import check_inputs, row_text
+from ...data.ragged import RaggedDataset, pad_rows
 
 KINDS = {("anchor", "positive", "negative"): "triplets", ("anchor", "positive"): "pairs",
          ("text1", "text2", "score"): "scored pairs"}  # the record kinds, by their fields

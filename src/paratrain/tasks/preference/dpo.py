@@ -12,7 +12,7 @@ Per pair, with log-probabilities summed over the response tokens only (prompt an
     hinge:   max(0, 1 - beta z)
 
 The rewards are beta (log pi - log ref) of each response. Chosen and rejected rows go through
-the model in one forward (data/preference.py puts them in one batch). The loss unit is a pair,
+the model in one forward (tasks/preference/pairs.py puts them in one batch). The loss unit is a pair,
 so the loop's weighting makes 1 and N workers (and any accumulation) the same run, and the
 reward figures (`train_counts` / `eval_counts`) are sums over pairs that the loop adds up over
 micro-steps and ranks exactly like the loss.
@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.dataset import IGNORE_INDEX
-from ..formatting import human_count
-from .base import NO_FROZEN, Frozen, MemoryProbe, sequence_logps, to_device
-from .sft import CausalLMTask
-from .hf import Encoder
+from ...data.dataset import IGNORE_INDEX
+from ...formatting import human_count
+from ..base import NO_FROZEN, Frozen, MemoryProbe, sequence_logps, to_device
+from ..sft import CausalLMTask
+from ..hf import Encoder
 
 
 class Reference(enum.Enum):
@@ -87,7 +87,7 @@ class PairTask:
 
     @classmethod
     def dataset(cls, examples: list) -> Any:
-        from ..data.preference import preference_dataset
+        from .pairs import preference_dataset
         return preference_dataset(examples)
 
     def count_units(self, batch: dict) -> int:
@@ -135,12 +135,12 @@ class DPOTask(PairTask, CausalLMTask):
 
     @classmethod
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
-        from ..data.preference import encode_dpo
+        from .pairs import encode_dpo
         return PairEncoder(encode_dpo, cfg, tokenizer, notes)
 
     @property
     def collate(self) -> Callable[[list], Any]:
-        from ..data.preference import PairCollate
+        from .pairs import PairCollate
         return PairCollate(self.tokenizer.pad_token_id, shift=True)
 
     def build_frozen(self) -> dict[str, nn.Module]:
@@ -153,7 +153,7 @@ class DPOTask(PairTask, CausalLMTask):
     def build_reference(self, path: str) -> nn.Module:
         """The causal LM at `path`, seeded like the policy (a folder without weights gives the
         policy's own random start)."""
-        from ..models.hf import HFArgs, build_hf
+        from ...models.hf import HFArgs, build_hf
         torch.manual_seed(self.cfg.trainer.seed)
         model = build_hf(HFArgs(str(path), len(self.tokenizer)))
         model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -192,6 +192,7 @@ class DPOTask(PairTask, CausalLMTask):
         if self.reference is Reference.PRECOMPUTED:
             return batch["reference"].float()
         if self.reference is Reference.ADAPTERS_OFF:
+            from ..lora import adapters_of
             peft_model = adapters_of(model)
             with peft_model.disable_adapter():
                 return sequence_logps(peft_model, batch, amp)
@@ -218,7 +219,7 @@ class _PairProbe:
     def __call__(self) -> nn.Module:
         import transformers
 
-        from .lora import apply_lora
+        from ..lora import apply_lora
         config = transformers.AutoConfig.from_pretrained(self.path, local_files_only=True)
         model = transformers.AutoModelForCausalLM.from_config(config)
         if self.cfg.model.lora.r > 0:
@@ -250,12 +251,6 @@ def response_tokens(batch: dict) -> torch.Tensor:
     return (batch["targets"] != IGNORE_INDEX).sum(-1).float()
 
 
-def adapters_of(model: nn.Module) -> nn.Module:
-    """The peft model inside whatever wraps it (DDP's module; FSDP2 shards it in place)."""
-    import peft
-    return next(m for m in model.modules() if isinstance(m, peft.PeftModel))
-
-
 def reward_counts(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
     """Sums over pairs of the chosen and rejected rewards (B,) and of right preferences (0-dim
     tensors, left on the device: the loop reads them once per step)."""
@@ -277,10 +272,10 @@ def reward_metrics(counts: dict) -> dict:
 
 
 class PairEncoder(Encoder):
-    """A data/preference.py encoder with the config's fields and length."""
+    """A tasks/preference/pairs.py encoder with the config's fields and length."""
 
     def __init__(self, encode: Any, cfg: Any, tokenizer: Any, notes: list):
-        from ..data.preference import PreferenceFields
+        from .pairs import PreferenceFields
         self.encode, self.tokenizer, self.notes = encode, tokenizer, notes
         self.fields, self.max_length = PreferenceFields.of(cfg.data), cfg.max_length
 

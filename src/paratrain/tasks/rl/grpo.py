@@ -25,10 +25,10 @@ from typing import Any, Callable, ClassVar, ContextManager, Optional
 import torch
 from torch import nn
 
-from ..formatting import human_count
-from .base import NO_FROZEN, Frozen, MemoryProbe, to_device
+from ...formatting import human_count
+from ..base import NO_FROZEN, Frozen, MemoryProbe, to_device
 from .grpo_loss import LossOptions, clip_counts, loss_units, reduce_loss, token_terms
-from .hf import Encoder
+from ..hf import Encoder
 from .rewards import Rewards, group_advantages
 from .rollout import (
     Sampling,
@@ -38,7 +38,7 @@ from .rollout import (
     sample_completions,
     unwrapped,
 )
-from .sft import CausalLMTask
+from ..sft import CausalLMTask
 
 
 @dataclass
@@ -70,19 +70,19 @@ class GRPOTask(CausalLMTask):
 
     @classmethod
     def dataset(cls, examples: list) -> Any:
-        from ..data.prompts import PromptDataset
+        from .prompts import PromptDataset
         return PromptDataset(examples)
 
     @property
     def collate(self) -> Callable[[list], Any]:
-        from ..data.prompts import PromptCollate
+        from .prompts import PromptCollate
         return PromptCollate(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id
                              is not None else self.eos)
 
     @classmethod
     def check_fits(cls, cfg: Any, tokenizer: Any) -> None:
         """Room for a prompt and rl.max_new_tokens within the model's positions."""
-        from ..errors import ConfigError
+        from ...errors import ConfigError
         super().check_fits(cfg, tokenizer)
         if cfg.max_length - cfg.rl.max_new_tokens < 1:
             raise ConfigError(f"rl.max_new_tokens={cfg.rl.max_new_tokens} leaves no room for a "
@@ -91,7 +91,7 @@ class GRPOTask(CausalLMTask):
 
     @property
     def eos(self) -> int:
-        from ..data.hf_tokenizer import eos_id
+        from ...data.hf_tokenizer import eos_id
         return eos_id(self.tokenizer)
 
     def build_frozen(self) -> dict[str, nn.Module]:
@@ -101,14 +101,14 @@ class GRPOTask(CausalLMTask):
         frozen = {reward_model_key(i): load_reward_model(folder)
                   for i, folder in enumerate(self.cfg.rl.reward_models)}
         if self.kl_coef != 0.0 and not self.lora:
-            from ..models.hf import HFArgs, build_hf
+            from ...models.hf import HFArgs, build_hf
             torch.manual_seed(self.cfg.trainer.seed)
             frozen["reference"] = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer)))
         return frozen
 
     def memory_probe(self) -> Optional[MemoryProbe]:
-        """For `paratrain plan` and auto: rl_memory.py."""
-        from .rl_memory import FrozenProbe, GenerationCache, GroupProbe
+        """For `paratrain plan` and auto: memory.py."""
+        from .memory import FrozenProbe, GenerationCache, GroupProbe
         rl = self.cfg.rl
         reference = self.kl_coef != 0.0 and not self.lora
         return MemoryProbe(GroupProbe(self.cfg, rl.num_generations),
@@ -207,7 +207,7 @@ class GRPOTask(CausalLMTask):
     def _reference_logps(self, model: nn.Module, b: dict, amp: ContextManager,
                          frozen: Frozen) -> torch.Tensor:
         if self.lora:
-            from .preference import adapters_of
+            from ..lora import adapters_of
             peft_model = adapters_of(model)
             with peft_model.disable_adapter():
                 return self._logps(peft_model, b, amp).logps
@@ -311,13 +311,13 @@ def _zero(figures: dict) -> dict:
 
 
 class _PromptEncoder(Encoder):
-    """data/prompts.py's encoder with the config's fields and room."""
+    """tasks/rl/prompts.py's encoder with the config's fields and room."""
 
     def __init__(self, cfg: Any, tokenizer: Any, notes: list):
         self.cfg, self.tokenizer, self.notes = cfg, tokenizer, notes
 
     def __call__(self, rows: list, source_name: str) -> list:
-        from ..data.prompts import encode_prompts
+        from .prompts import encode_prompts
         d = self.cfg.data
         examples, note = encode_prompts(
             rows, self.tokenizer, field=d.prompt_field, chat_template=d.chat_template,

@@ -6,7 +6,7 @@ Two kinds of records give them (TRL's KTOTrainer reads the same two):
   `unpair_preference_dataset` does: all desirable examples first, then all undesirable ones;
 - unpaired records {prompt, completion, label} (label true / false, or 1 / 0).
 
-Prompt and completion are encoded as for DPO (data/preference.py: tokenized apart, EOS after the
+Prompt and completion are encoded as for DPO (tasks/preference/pairs.py: tokenized apart, EOS after the
 completion, the prompt cut from the left to fit data.max_length, a chat template's turns
 rendered the same way). Each example also carries its *mismatched* sequence for KTO's KL
 estimate: its own prompt followed by the completion of the example before it (the first takes
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
 
-from ..errors import DataError
-from .finetune import check_inputs, tokenize_texts
-from .hf_tokenizer import eos_id, special_prefix
-from .preference import (PairCollate, PairStats, PreferenceFields, encode_dpo, fit_prompt,
+from ...errors import DataError
+from ...data.finetune import check_inputs, tokenize_texts
+from ...data.hf_tokenizer import eos_id, special_prefix
+from .pairs import (PairCollate, PairStats, PreferenceFields, encode_dpo, fit_prompt,
                          preference_texts)
 
 # {"completion": [ids] (prompt + completion), "mismatched": [ids], "prompt_len": int,

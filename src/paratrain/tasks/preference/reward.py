@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
-from ..formatting import human_count
-from .base import NO_FROZEN, Frozen, to_device
-from .classify import load_classifier
-from .hf import Encoder, PretrainedTask, quiet_transformers
-from .preference import PairEncoder, PairTask, reward_counts
+from ...errors import ConfigError
+from ...formatting import human_count
+from ..base import NO_FROZEN, Frozen, to_device
+from ..classify import load_classifier
+from ..hf import Encoder, PretrainedTask, quiet_transformers
+from .dpo import PairEncoder, PairTask, reward_counts
 
 SCORE_LABEL = "score"  # the head's one output, named in config.json's id2label
 
@@ -59,12 +59,12 @@ class RewardTask(PairTask, PretrainedTask):
 
     @classmethod
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
-        from ..data.preference import encode_reward
+        from .pairs import encode_reward
         return PairEncoder(encode_reward, cfg, tokenizer, notes)
 
     @property
     def collate(self) -> Callable[[list], Any]:
-        from ..data.preference import PairCollate
+        from .pairs import PairCollate
         return PairCollate(self.tokenizer.pad_token_id, shift=False)
 
     def load_pretrained(self) -> nn.Module:
@@ -96,7 +96,7 @@ class RewardTask(PairTask, PretrainedTask):
 def generate_score(model_dir: Path, prompt: str, opts: Any) -> str:
     """`paratrain generate` on a reward model's run: the score of --prompt (the whole text:
     prompt and response), and on stderr what was done instead of continuing it."""
-    from ..models.hf import load_for_prompt
+    from ...models.hf import load_for_prompt
     _, model, ids = load_for_prompt(model_dir, "AutoModelForSequenceClassification", prompt,
                                     opts.device)
     with torch.no_grad():

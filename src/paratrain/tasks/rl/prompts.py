@@ -15,11 +15,10 @@ from typing import Any, Dict, List, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from ..errors import DataError
-from .finetune import check_inputs, tokenize_texts
-from .hf_tokenizer import render_chat, special_prefix, use_chat_template
-from .preference import _messages_or_text
-from .ragged import RaggedColumn
+from ...errors import DataError
+from ...data.finetune import check_inputs, messages_or_text, tokenize_texts
+from ...data.hf_tokenizer import render_chat, special_prefix, use_chat_template
+from ...data.ragged import RaggedColumn
 
 
 def encode_prompts(rows: Sequence[Dict[str, Any]], tokenizer: Any, *, field: str,
@@ -28,7 +27,7 @@ def encode_prompts(rows: Sequence[Dict[str, Any]], tokenizer: Any, *, field: str
     """([{"prompt_ids", "prompt"}], a note) for the records; `room`: the tokens a prompt may
     keep (the model's positions less rl.max_new_tokens)."""
     check_inputs(rows, room, source_name)
-    prompts = [_messages_or_text(row, field, "data.prompt_field", source_name, i)
+    prompts = [messages_or_text(row, field, "data.prompt_field", source_name, i)
                for i, row in enumerate(rows, start=1)]
     chat = any(isinstance(p, list) for p in prompts)
     templated = use_chat_template(tokenizer, chat_template, required=chat)

@@ -1,0 +1,1 @@
+"""Sentence embeddings and SetFit: the pair records, pooling and the contrastive losses."""
