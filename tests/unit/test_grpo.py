@@ -47,7 +47,7 @@ def _trl_loss(t: dict, logps: torch.Tensor, o: LossOptions) -> torch.Tensor:
         vllm_importance_sampling_correction=False, model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=o.max_new_tokens,
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
-        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None,
+        args=types.SimpleNamespace(use_bias_correction_kl=o.bias_correction_kl, delta=None,
                                    steps_per_generation=1),
         accelerator=types.SimpleNamespace(num_processes=1, reduce=lambda x, reduction: x,
                                           gather=lambda x: x))
@@ -60,12 +60,27 @@ def _trl_loss(t: dict, logps: torch.Tensor, o: LossOptions) -> torch.Tensor:
     return trl_grpo.GRPOTrainer._compute_loss(trainer, None, inputs)
 
 
+def _trl_default_bias_correction() -> bool:
+    trl = pytest.importorskip("trl")
+    return trl.GRPOConfig.__dataclass_fields__["use_bias_correction_kl"].default
+
+
+def test_the_kl_correction_is_on_by_default_as_in_trl():
+    """rl.bias_correction_kl defaults to TRL's use_bias_correction_kl default (true in 1.16)."""
+    from paratrain.config.rl import RLConfig
+    assert RLConfig().bias_correction_kl is _trl_default_bias_correction() is True
+    assert LossOptions.of(RLConfig()).bias_correction_kl is True
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
-def test_loss_and_gradient_equal_trls(loss_type):
+@pytest.mark.parametrize("correction", [True, False], ids=["trl-default", "no-correction"])
+def test_loss_and_gradient_equal_trls(loss_type, correction):
     """One micro-batch on one process: TRL's loss is our sum over our units; the gradients with
-    respect to the policy's log-probs agree too (within 1e-6; both in float64)."""
+    respect to the policy's log-probs agree too (within 1e-6; both in float64); with TRL's
+    default KL correction and without it."""
     t = _tensors()
-    o = LossOptions(loss_type, beta=0.04, epsilon=0.2, epsilon_high=0.28, max_new_tokens=C + 1)
+    o = LossOptions(loss_type, beta=0.04, epsilon=0.2, epsilon_high=0.28, max_new_tokens=C + 1,
+                    bias_correction_kl=correction)
     ours_in = t["logps"].clone().requires_grad_()
     terms = token_terms(ours_in, t["old"], t["ref"], t["advantages"], o)
     s, units = reduce_loss(terms.loss, t["mask"], o)
@@ -80,6 +95,27 @@ def test_loss_and_gradient_equal_trls(loss_type):
     assert error <= 1e-6, (float(ours.detach()), float(theirs.detach()))
     assert torch.allclose(ours_in.grad, theirs_in.grad, rtol=0, atol=1e-6)
     assert float(ours_in.grad.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
+def test_on_policy_the_correction_moves_the_gradient_not_the_loss(loss_type):
+    """On-policy (old = the policy's own log-probs, detached: rl.num_iterations=1) TRL's default
+    loss equals the uncorrected one, but its gradient differs; ours follows TRL's default."""
+    t = _tensors()
+    grads = []
+    for correction in (True, False):
+        o = LossOptions(loss_type, beta=0.04, max_new_tokens=C + 1, bias_correction_kl=correction)
+        ours_in = t["logps"].clone().requires_grad_()
+        terms = token_terms(ours_in, ours_in.detach(), t["ref"], t["advantages"], o)
+        s, units = reduce_loss(terms.loss, t["mask"], o)
+        (s / units).backward()
+        theirs_in = t["logps"].clone().requires_grad_()
+        theirs = _trl_loss({**t, "old": None}, theirs_in, o)
+        theirs.backward()
+        assert abs(float((s / units - theirs).detach())) <= 1e-6
+        assert torch.allclose(ours_in.grad, theirs_in.grad, rtol=0, atol=1e-6)
+        grads.append(ours_in.grad)
+    assert (grads[0] - grads[1]).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])

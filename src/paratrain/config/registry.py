@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
 from .model_folder import model_config
-from .rl import check_rl
+from .rl import check_grpo, check_ppo
 
 
 @dataclass(frozen=True)
@@ -321,13 +321,13 @@ register(TaskSpec(
             "the outputs"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.grpo:GRPOTask", pretrained=True, objective="grpo",
-    record_fields=("prompt",), checks=(check_rl,),
+    record_fields=("prompt",), checks=(check_grpo,),
     generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as in training
     summary="online RL (GRPO): a pretrained causal LM samples completions of prompts and learns "
             "from their rewards (rl.*)"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.ppo:PPOTask", pretrained=True, objective="ppo",
-    record_fields=("prompt",), checks=(check_rl,),
+    record_fields=("prompt",), checks=(check_ppo,),
     generate="paratrain.models.hf:generate_hf_reply",
     summary="online RL (PPO): a pretrained causal LM with a value head learns from the rewards "
             "of its own completions (rl.*)"))

@@ -55,6 +55,10 @@ class RLConfig:
     num_iterations: int = 1
     """Optimizer steps per generation (GRPO's mu, PPO's ppo_epochs): each batch of completions
     is trained on this many times, clipped against the log-probabilities it was sampled with."""
+    bias_correction_kl: bool = True
+    """Weigh the KL term of each token by pi / pi_old, the importance-sampling correction of the
+    k3 estimator (TRL 1.16's use_bias_correction_kl, on by default); on-policy it changes the
+    gradient, not the loss. false: beta * k3 alone."""
     mask_truncated_completions: bool = False
     """Leave completions that reached max_new_tokens without EOS out of the loss (DAPO)."""
     kl_coef: float = 0.05
@@ -69,12 +73,26 @@ class RLConfig:
     """ppo: the lambda of GAE."""
 
 
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")  # TRL 1.16 GRPOConfig.loss_type values we have
+LOSS_TYPE_NAMES = ("dapo", "grpo", "dr_grpo", "bnpo")  # TRL 1.16 GRPOConfig.loss_type values we
+# have: tasks/rl/grpo_loss.py's LOSS_TYPES table, in this order (it asserts so)
 SCALE_REWARDS = ("group", "batch", "none")
 
 
-def check_rl(cfg: Any) -> None:
-    """rl.*: at least one reward, known loss and scaling names, sampling options in range."""
+def check_grpo(cfg: Any) -> None:
+    """trainer.objective=grpo: `check_rl` with groups of two completions or more (a group's mean
+    is the baseline)."""
+    check_rl(cfg, min_generations=2)
+
+
+def check_ppo(cfg: Any) -> None:
+    """trainer.objective=ppo: `check_rl`; one completion per prompt is enough (the value head is
+    the baseline)."""
+    check_rl(cfg, min_generations=1)
+
+
+def check_rl(cfg: Any, min_generations: int) -> None:
+    """rl.*: at least one reward, known loss and scaling names, sampling options in range;
+    `min_generations`: the fewest completions per prompt the objective learns from."""
     r, objective = cfg.rl, cfg.task.objective
     if not (r.reward_functions or r.reward_models):
         raise ConfigError(f"trainer.objective={objective} needs a reward: "
@@ -102,11 +120,11 @@ def check_rl(cfg: Any) -> None:
     if not cfg.data.drop_last:
         raise ConfigError("data.format=prompts trains on whole groups of completions: leave "
                           "data.drop_last=true")
-    check_choice("rl.loss_type", r.loss_type, LOSS_TYPES)
+    check_choice("rl.loss_type", r.loss_type, LOSS_TYPE_NAMES)
     check_choice("rl.scale_rewards", r.scale_rewards, SCALE_REWARDS)
-    ppo = objective == "ppo"
-    bounds = [("rl.num_generations", r.num_generations >= (1 if ppo else 2),
-               "at least 1" if ppo else "at least 2 (a group's mean is the baseline)"),
+    bounds = [("rl.num_generations", r.num_generations >= min_generations,
+               f"at least {min_generations}" + (" (a group's mean is the baseline)"
+                                                 if min_generations > 1 else "")),
               ("rl.max_new_tokens", r.max_new_tokens >= 1, "at least 1"),
               ("rl.temperature", r.temperature > 0, "positive"),
               ("rl.top_p", 0 < r.top_p <= 1, "in (0, 1]"),

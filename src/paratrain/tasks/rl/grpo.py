@@ -129,7 +129,7 @@ class GRPOTask(CausalLMTask):
         batches = [self._sample(model, mb, step, env.device, amp) if mb is not None else None
                    for mb in micro]
         t1 = time.perf_counter()
-        scored = [self._score(b, frozen, env.device, amp) if b is not None else None
+        scored = [self._score(b, frozen, env.device, amp, step) if b is not None else None
                   for b in batches]
         t2 = time.perf_counter()
         out = self._advantages(model, batches, scored, env, amp, frozen)
@@ -153,14 +153,19 @@ class GRPOTask(CausalLMTask):
         return {"prompt_ids": prompt_ids.repeat_interleave(G, 0),
                 "prompt_mask": prompt_mask.repeat_interleave(G, 0),
                 "completion_ids": completion, "completion_mask": mask,
-                "prompts": [p for p in mb["prompts"] for _ in range(G)]}
+                "prompts": [p for p in mb["prompts"] for _ in range(G)],
+                "fields": [f for f in mb.get("fields", [{}] * len(mb["prompts"]))
+                           for _ in range(G)]}
 
-    def _score(self, b: dict, frozen: Frozen, device: torch.device, amp: ContextManager
-               ) -> torch.Tensor:
-        """(N, F) each reward's score of each completion."""
+    def _score(self, b: dict, frozen: Frozen, device: torch.device, amp: ContextManager,
+               step: int) -> torch.Tensor:
+        """(N, F) each reward's score of each completion (NaN: a function's None)."""
         ids = b["completion_ids"].masked_fill(b["completion_mask"] == 0, self.collate.pad_id)
         texts = self.tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
-        return self.rewards.score(b["prompts"], texts, frozen, device, amp)
+        completion_ids = [row[:int(n)] for row, n in zip(b["completion_ids"].tolist(),
+                                                          b["completion_mask"].sum(-1))]
+        return self.rewards.score(b["prompts"], texts, frozen, device, amp, fields=b["fields"],
+                                  step=step, completion_ids=completion_ids)
 
     def _advantages(self, model: nn.Module, batches: list, scored: list, env: Any,
                     amp: ContextManager, frozen: Frozen) -> list:
@@ -220,7 +225,7 @@ class GRPOTask(CausalLMTask):
         scored; the "loss" is minus their mean reward (so the best evaluation is the highest
         reward), val_reward its opposite."""
         b = self._sample(model, batch, -1, device, amp)
-        total = self.rewards.total(self._score(b, frozen, device, amp))  # (N,)
+        total = self.rewards.total(self._score(b, frozen, device, amp, -1))  # (N,)
         return -total.sum(), int(total.numel()), {"reward": float(total.sum()),
                                                   "completions": float(total.numel())}
 
@@ -268,9 +273,10 @@ class GRPOTask(CausalLMTask):
                "zero_std_groups": float((total.view(-1, G).std(dim=1) < 1e-8).sum())
                if total.numel() and G > 1 else 0.0,
                "groups": float(total.numel() // G)}
-        for j, label in enumerate(self.rewards.labels):
-            out[f"fn/{label}"] = float(per_fn[:, j].sum())
-            out[f"fn_sq/{label}"] = float((per_fn[:, j] ** 2).sum())
+        for j, label in enumerate(self.rewards.labels):  # None (NaN) left out, as TRL's nanmean
+            out[f"fn/{label}"] = float(per_fn[:, j].nansum())
+            out[f"fn_sq/{label}"] = float((per_fn[:, j] ** 2).nansum())
+            out[f"fn_n/{label}"] = float((~per_fn[:, j].isnan()).sum())
         longest = env.max_over_ranks(float(lengths.max()) if lengths.numel() else 0.0)
         shortest = -env.max_over_ranks(-float(lengths.min()) if lengths.numel() else -1e9)
         master = 1.0 if env.is_master else 0.0

@@ -40,27 +40,30 @@ def encode_prompts(rows: Sequence[Dict[str, Any]], tokenizer: Any, *, field: str
     else:
         texts, prefix = list(prompts), special_prefix(tokenizer)
     out, cut = [], 0
-    for prompt, ids in zip(prompts, tokenize_texts(tokenizer, texts)):
+    for row, prompt, ids in zip(rows, prompts, tokenize_texts(tokenizer, texts)):
         ids = prefix + ids
         if len(ids) > room:
             ids, cut = ids[len(ids) - room:], cut + 1
         if not ids:
             raise DataError(f"{source_name}: a prompt encodes to no tokens; give each record "
                             "some text")
-        out.append({"prompt_ids": ids, "prompt": prompt})
+        out.append({"prompt_ids": ids, "prompt": prompt, "fields": {
+            k: v for k, v in row.items() if k not in (field, "completion", "completion_ids")}})
     note = (f"{source_name}: {len(out)} prompts" + (" (chat template)" if templated else "") +
             (f", {cut} cut to their last {room} tokens" if cut else ""))
     return out, note
 
 
 class PromptDataset(Dataset):
-    """Encoded prompts; an item is {"prompt_ids" (L,), "prompt", "index"}."""
+    """Encoded prompts; an item is {"prompt_ids" (L,), "prompt", "fields", "index"} ("fields":
+    the record's other fields, for the reward functions)."""
 
     def __init__(self, examples: Sequence[Dict[str, Any]]):
         if not examples:
             raise DataError("no prompts to train on; check the data source")
         self.ids = RaggedColumn([ex["prompt_ids"] for ex in examples])
         self.prompts = [ex["prompt"] for ex in examples]
+        self.fields = [ex.get("fields", {}) for ex in examples]
         self.longest = max(len(ex["prompt_ids"]) for ex in examples)
 
     def __len__(self) -> int:
@@ -70,12 +73,13 @@ class PromptDataset(Dataset):
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} prompts")
         i %= len(self)
-        return {"prompt_ids": self.ids[i], "prompt": self.prompts[i], "index": i}
+        return {"prompt_ids": self.ids[i], "prompt": self.prompts[i], "fields": self.fields[i],
+                "index": i}
 
 
 class PromptCollate:
     """Prompts left-padded to the longest (generation appends on the right):
-    {"prompt_ids" (B, P), "prompt_mask" (B, P), "prompts": [B], "index" (B,)}."""
+    {"prompt_ids" (B, P), "prompt_mask" (B, P), "prompts": [B], "fields": [B], "index" (B,)}."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
@@ -88,4 +92,5 @@ class PromptCollate:
             n = len(b["prompt_ids"])
             ids[r, P - n:], mask[r, P - n:] = b["prompt_ids"], 1
         return {"prompt_ids": ids, "prompt_mask": mask, "prompts": [b["prompt"] for b in batch],
+                "fields": [b.get("fields", {}) for b in batch],
                 "index": torch.tensor([b["index"] for b in batch])}
