@@ -322,18 +322,24 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
     tr = plan.cfg.trainer
     extras = "".join([" + activation checkpointing" if plan.activation_checkpointing else "",
                       " + CPU offload" if plan.parallelism.offloads_to_host else ""])
+    threads = (f" ({plan.cpu_threads} thread{'s' if plan.cpu_threads > 1 else ''} each, "
+               f"{'from OMP_NUM_THREADS' if plan.threads_from != 'cores' else 'a share of the cores'})"
+               if env.device.type == "cpu" else "")
     log(env, f"{task.describe(n_params)}; strategy {plan.parallelism.name}{extras} "
-             f"({plan.parallelism_reason}); {env.world_size} worker(s) on {env.device.type}; "
-             f"precision {plan.precision}")
+             f"({plan.parallelism_reason}); {env.world_size} worker(s) on {env.device.type}"
+             f"{threads}; precision {plan.precision}")
     dims = plan.dims
     split = f"{env.world_size} workers" if dims.tp == 1 and dims.pp == 1 else \
         f"{dims.dp} data-parallel group{'s' if dims.dp > 1 else ''} of {dims.tp} " \
         "tensor-parallel workers" if dims.pp == 1 else \
         f"{dims.dp} data-parallel worker{'s' if dims.dp > 1 else ''} per stage of a " \
         f"{dims.pp}-stage pipeline"
+    repeat = plan.steps_per_batch
+    reused = (f" = {-(-plan.total_steps // repeat)} batches x {repeat} iterations each"
+              if repeat > 1 else "")
     log(env, f"batch: {tr.batch_size} per device x {split} x {plan.accum} "
-             f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps "
-             f"({plan.steps_per_epoch} per epoch)")
+             f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps"
+             f"{reused} ({plan.steps_per_epoch} per epoch)")
     for line in [*optim.schedule_warnings(plan.cfg.optim, plan.total_steps),
                  bound_line(plan, task)]:
         if line:

@@ -13,7 +13,9 @@ rank, so advantages need no communication, and 1 and N workers sample the same c
 The reference (rl.beta > 0): a frozen copy of model.path placed and sharded like the policy;
 with LoRA, the policy with its adapters off (no second copy). rl.num_iterations > 1 trains on
 each batch of completions that many steps, clipped against the log-probabilities they were
-sampled with; the prompts of the steps in between are not used (TRL repeats its batches).
+sampled with; the data advances one batch per rl.num_iterations steps (`steps_per_batch`), so
+every prompt is used, as TRL repeats its batches (an epoch is that many times the steps). A run
+resumed between two iterations samples its batch again (the completions are not snapshotted).
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ class GRPOTask(CausalLMTask):
         self.rewards = self.rewards or Rewards.of(rl)
         self.sampling, self.options = Sampling.of(rl), LossOptions.of(rl)
         self.unit_name = "completion tokens" if rl.loss_type == "dapo" else "completions"
+
+    @property
+    def steps_per_batch(self) -> int:
+        """rl.num_iterations: the loop trains that many steps on each batch of prompts."""
+        return self.cfg.rl.num_iterations
 
     @property
     def kl_coef(self) -> float:
