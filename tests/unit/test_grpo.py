@@ -15,7 +15,8 @@ import torch
 
 from paratrain.errors import TrainingError
 from paratrain.tasks.rl.grpo_loss import LossOptions, reduce_loss, token_terms
-from paratrain.tasks.rl.rewards import Rewards, group_advantages
+from paratrain.tasks.rl.advantages import group_relative as group_advantages
+from paratrain.tasks.rl.rewards import Rewards
 from tests.conftest import cli_error
 
 N, C = 6, 7  # completions, completion tokens

@@ -31,7 +31,8 @@ from ...formatting import human_count
 from ..base import NO_FROZEN, Frozen, MemoryProbe, to_device
 from .grpo_loss import LossOptions, clip_counts, loss_units, reduce_loss, token_terms
 from ..hf import Encoder
-from .rewards import Rewards, group_advantages
+from .advantages import group_relative
+from .rewards import Rewards
 from .rollout import (
     Sampling,
     TokenScores,
@@ -57,6 +58,7 @@ class GRPOTask(CausalLMTask):
 
     def __post_init__(self) -> None:
         rl = self.cfg.rl
+        self.group = rl.num_generations  # completions per prompt: read here only
         self.rewards = self.rewards or Rewards.of(rl)
         self.sampling, self.options = Sampling.of(rl), LossOptions.of(rl)
         self.unit_name = "completion tokens" if rl.loss_type == "dapo" else "completions"
@@ -118,7 +120,7 @@ class GRPOTask(CausalLMTask):
         from .memory import FrozenProbe, GenerationCache, GroupProbe
         rl = self.cfg.rl
         reference = self.kl_coef != 0.0 and not self.lora
-        return MemoryProbe(GroupProbe(self.cfg, rl.num_generations),
+        return MemoryProbe(GroupProbe(self.cfg, self.group),
                            self.train_ds.longest + rl.max_new_tokens, len(self.tokenizer),
                            build_frozen=FrozenProbe(self.cfg, reference)
                            if reference or rl.reward_models else None,
@@ -153,7 +155,7 @@ class GRPOTask(CausalLMTask):
             to_device(mb["prompt_mask"], device)
         seed = self.cfg.trainer.seed
         gens = [prompt_generator(seed, step, int(i)) for i in mb["index"]]
-        G = self.cfg.rl.num_generations
+        G = self.group
         completion, mask = sample_completions(unwrapped(model), prompt_ids, prompt_mask, gens, G,
                                               self.sampling, self.eos, self.collate.pad_id, amp,
                                               self._all_done)
@@ -194,10 +196,9 @@ class GRPOTask(CausalLMTask):
         rl, dev = self.cfg.rl, b["completion_ids"].device
         total = self.rewards.total(per_fn)  # (N,)
         if batch_std is None:
-            advantages = group_advantages(total, rl.num_generations, rl.scale_rewards)
+            advantages = group_relative(total, self.group, rl.scale_rewards)
         else:
-            advantages = (group_advantages(total, rl.num_generations, "none") /
-                          (batch_std + 1e-4))
+            advantages = group_relative(total, self.group, "none") / (batch_std + 1e-4)
         mask = b["completion_mask"]
         truncated = ~(b["completion_ids"] == self.eos).any(dim=1)  # (N,) no EOS: cut short
         if rl.mask_truncated_completions:
@@ -272,7 +273,7 @@ class GRPOTask(CausalLMTask):
         total = self.rewards.total(per_fn)  # (N,)
         lengths = torch.cat([b["completion_mask"].sum(-1) for b in batches]).double() \
             if batches else torch.zeros(0)
-        G = self.cfg.rl.num_generations
+        G = self.group
         out = {"completions": float(total.numel()), "reward": float(total.sum()),
                "reward_sq": float((total * total).sum()),
                "length": float(lengths.sum()),
@@ -299,7 +300,7 @@ class GRPOTask(CausalLMTask):
 
     def describe(self, n_params: int) -> str:
         rl = self.cfg.rl
-        return (f"GRPO ({rl.loss_type} loss, {rl.num_generations} completions per prompt, "
+        return (f"GRPO ({rl.loss_type} loss, {self.group} completions per prompt, "
                 f"beta {rl.beta}) on model hf ({self.cfg.model.path}): {human_count(n_params)} "
                 f"parameters; rewards: {', '.join(self.rewards.names + self.rewards.models)}; "
                 f"tokenizer {self.tokenizer_dir} ({len(self.tokenizer)} tokens)")

@@ -1,7 +1,7 @@
 """The rewards of online RL (grpo.py): functions `f(prompts, completions, **kwargs) ->
 list[float]`, named `module:function` in rl.reward_functions (the Python API passes the
 functions, which it names so), and reward models (rl.reward_models: reward_models.py), summed
-with rl.reward_weights; and the group-relative advantages GRPO learns from.
+with rl.reward_weights (the advantages they give: advantages.py).
 
 A function is called as TRL 1.16 GRPOTrainer calls it: `prompts`, `completions`,
 `completion_ids` and every other field of the prompts' records (a reference answer, test
@@ -207,20 +207,3 @@ def _is_number(x: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
-
-
-def group_advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
-    """(N,) rewards of N/group prompts' completions (a prompt's `group` rows together) ->
-    (N,) advantages: each reward less its group's mean, divided by the group's std ("group"),
-    the batch's ("batch") or not at all ("none"), + 1e-4; as TRL 1.16 GRPOTrainer
-    (_generate_and_score_completions, sum_then_normalize). The std is unbiased (TRL's nanstd).
-    "batch" here is the rank's batch (TRL: the generation batch over all processes)."""
-    grouped = rewards.view(-1, group)  # (B, G)
-    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # (N,)
-    if scale == "group":
-        std = grouped.std(dim=1).repeat_interleave(group)  # (N,)
-    elif scale == "batch":
-        std = rewards.std().expand_as(rewards)  # (N,)
-    else:
-        return advantages
-    return advantages / (std + 1e-4)
