@@ -264,7 +264,7 @@ def test_ppo_is_the_same_on_one_process_and_two_fsdp_workers(capsys, tmp_path, s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["grpo", "ppo"])
+@pytest.mark.parametrize("objective", ["grpo", "rloo", "ppo"])
 def test_accumulation_on_one_process_is_two_ddp_workers(capsys, tmp_path, setup, objective):
     """Issue 41's setting: a global batch of 8 prompts, 4 per micro-batch: one process
     accumulating 2 micro-batches and 2 DDP workers give the same run step by step for 8 steps

@@ -14,12 +14,15 @@ from ..errors import ConfigError, check_choice
 
 @dataclass
 class RLConfig:
-    """Online RL (data.format=prompts, trainer.objective=grpo or ppo): the policy samples
+    """Online RL (data.format=prompts, trainer.objective=grpo, rloo or ppo): the policy samples
     completions of each prompt, they are scored, and it learns from them; TRL 1.16
-    GRPOTrainer's defaults and names (PPO: TRL's PPOTrainer). See tasks/rl/grpo.py, tasks/rl/ppo.py."""
+    GRPOTrainer's defaults and names (RLOO: TRL's RLOOTrainer; PPO: TRL's PPOTrainer). See
+    tasks/rl/grpo.py, tasks/rl/rloo.py, tasks/rl/ppo.py."""
     reward_functions: List[str] = field(default_factory=list)
-    """`module:function` names of reward functions `f(prompts, completions) -> list[float]`,
-    one score per completion; the Python API also takes the functions themselves."""
+    """`module:function` names of reward functions `f(prompts, completions, **kwargs) ->
+    list[float]`, one score per completion (None: not scored), called as TRL calls them: the
+    records' other fields as keyword lists aligned with the completions, `completion_ids`,
+    `trainer_state.global_step`; the Python API also takes the functions themselves."""
     reward_models: List[str] = field(default_factory=list)
     """Reward model folders (what trainer.objective=reward writes to model/, or any one-label
     sequence-classification model): each scores prompt + completion, frozen and sharded like
@@ -61,6 +64,9 @@ class RLConfig:
     gradient, not the loss. false: beta * k3 alone."""
     mask_truncated_completions: bool = False
     """Leave completions that reached max_new_tokens without EOS out of the loss (DAPO)."""
+    normalize_advantages: bool = False
+    """rloo: normalise the advantages over the whole step (all ranks): less their mean, over
+    their std (TRL's RLOOConfig.normalize_advantages)."""
     kl_coef: float = 0.05
     """ppo: the per-token KL penalty to the reference in the rewards (0: no reference held)."""
     vf_coef: float = 0.1
@@ -84,6 +90,11 @@ def check_grpo(cfg: Any) -> None:
     check_rl(cfg, min_generations=2)
 
 
+def check_rloo(cfg: Any) -> None:
+    """trainer.objective=rloo: `check_rl`; a leave-one-out baseline needs two completions."""
+    check_rl(cfg, min_generations=2)
+
+
 def check_ppo(cfg: Any) -> None:
     """trainer.objective=ppo: `check_rl`; one completion per prompt is enough (the value head is
     the baseline)."""
@@ -96,8 +107,9 @@ def check_rl(cfg: Any, min_generations: int) -> None:
     r, objective = cfg.rl, cfg.task.objective
     if not (r.reward_functions or r.reward_models):
         raise ConfigError(f"trainer.objective={objective} needs a reward: "
-                          "rl.reward_functions=[module:function] (f(prompts, completions) -> "
-                          "list[float]), Trainer(reward_functions=[f]), or rl.reward_models=[DIR]")
+                          "rl.reward_functions=[module:function] (f(prompts, completions, "
+                          "**kwargs) -> list[float]), Trainer(reward_functions=[f]), or "
+                          "rl.reward_models=[DIR]")
     for folder in r.reward_models:
         if not (Path(str(folder)).expanduser() / "config.json").is_file():
             raise ConfigError(f"rl.reward_models: {folder!r} is not a model folder with a "
