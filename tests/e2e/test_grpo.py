@@ -42,7 +42,8 @@ def guide_blocks() -> tuple[list[list[str]], str]:
     """(the online RL guide's commands, its reward module's code): the blocks
     docs/guides/online-rl.md marks as run by this file."""
     mine = [b for b in doc_blocks()
-            if b.marker == "run by" and b.reason.startswith("tests/e2e/test_grpo.py")]
+            if b.marker == "run by" and b.reason.startswith("tests/e2e/test_grpo.py")
+            and "extra examples" not in b.reason]
     commands = [args for b in mine if b.lang == "bash" for args in b.commands()]
     code = [b.code for b in mine if b.lang == "python"]
     assert len(commands) == 2 and len(code) == 1, (commands, code)
@@ -302,6 +303,30 @@ def test_num_iterations_trains_each_batch_again_and_uses_every_prompt(capsys, tm
     assert not set(read[0]) & set(read[2])
     metrics = read_metrics(tmp_path / "run")
     assert "reward" in metrics[0] and "reward" not in metrics[1]  # nothing sampled at step 2
+
+
+@pytest.mark.slow
+def test_the_guides_math_reward_and_rloo_examples_run_as_printed(setup):
+    """The guide's extra examples in the guide's folder: the math reward (records with an
+    `answer` field, the reward against it) trains 2 steps with its TRL-named figures; the RLOO
+    command trains 4, its loss a real number and its reward logged."""
+    blocks = [b for b in doc_blocks() if b.marker == "run by" and
+              b.reason.startswith("tests/e2e/test_grpo.py") and "extra examples" in b.reason]
+    code = [b.code for b in blocks if b.lang == "python"]
+    commands = [args for b in blocks if b.lang == "bash" for args in b.commands()]
+    assert len(code) == 1 and len(commands) == 2, blocks
+    (setup / "math_rewards.py").write_text(code[0])
+    (setup / "math.jsonl").write_text("".join(
+        json.dumps({"prompt": f"{a} + {b} = ", "answer": a + b}) + "\n"
+        for a in range(8) for b in range(8)))
+    for args in commands:
+        assert args[:2] == ["paratrain", "train"], args
+        r = run_cli(args[1:], cwd=setup, timeout=400)
+        assert r.returncode == 0, (args, r.stderr[-3000:])
+    math = read_metrics(setup / "runs" / "math")
+    assert "rewards/correct_answer/mean" in math[-1] and math[-1]["step"] == 2
+    rloo = read_metrics(setup / "runs" / "rloo")
+    assert rloo[-1]["step"] == 4 and "reward" in rloo[-1] and "kl" in rloo[-1]
 
 
 @pytest.mark.slow
