@@ -238,11 +238,14 @@ def test_a_failing_reward_function_names_itself(fn, says):
     (["rl.reward_functions=[a:b]", "trainer.tensor_parallel=2"], "tensor parallelism is not "
                                                                  "supported for it yet"),
     (["rl.reward_functions=[a:b]", "trainer.pipeline_parallel=2"], "pipeline"),
+    (["rl.reward_models=[{hf}]"], "holds LlamaForCausalLM (a causal LM), not a reward model"),
+    (["rl.reward_functions=[a:b]", "trainer.objective=rloo", "rl.num_generations=1"],
+     "rl.num_generations=1 must be at least 2"),
 ])
 def test_rl_config_is_checked(capsys, hf_llama, tmp_path, extra, says):
     line = cli_error(capsys, ["config", "show", "model.arch=hf", f"model.path={hf_llama}",
                               "data.format=prompts", f"data.source={tmp_path / 'p.jsonl'}",
-                              *extra])
+                              *[e.format(hf=hf_llama) for e in extra]])
     assert says in line, line
 
 

@@ -5,6 +5,7 @@ need torch)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -111,10 +112,7 @@ def check_rl(cfg: Any, min_generations: int) -> None:
                           "**kwargs) -> list[float]), Trainer(reward_functions=[f]), or "
                           "rl.reward_models=[DIR]")
     for folder in r.reward_models:
-        if not (Path(str(folder)).expanduser() / "config.json").is_file():
-            raise ConfigError(f"rl.reward_models: {folder!r} is not a model folder with a "
-                              "config.json; give a reward model's folder (a reward run's "
-                              "model/)")
+        _check_reward_model(folder)
     for name in r.reward_functions:
         module, _, attr = str(name).partition(":")
         if not (module and attr):
@@ -153,6 +151,27 @@ def check_rl(cfg: Any, min_generations: int) -> None:
     for key, ok, what in bounds:
         if not ok:
             raise ConfigError(f"{key}={_value(cfg, key)} must be {what}")
+
+
+def _check_reward_model(folder: Any) -> None:
+    """A folder with a config.json of a sequence-classification model (a reward run's model/);
+    a causal LM (or any other head) is named as what it is."""
+    config = Path(str(folder)).expanduser() / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"rl.reward_models: {folder!r} is not a model folder with a "
+                          "config.json; give a reward model's folder (a reward run's model/)")
+    try:
+        architectures = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: loading it says why, in the worker's words
+    if architectures and not any(str(a).endswith("ForSequenceClassification")
+                                 for a in architectures):
+        kind = "a causal LM" if any(str(a).endswith("ForCausalLM") for a in architectures) \
+            else "not a sequence-classification model"
+        raise ConfigError(f"rl.reward_models: {folder} holds {', '.join(architectures)} "
+                          f"({kind}), not a reward model; give a one-label sequence-"
+                          "classification model's folder (what trainer.objective=reward writes "
+                          "to its run's model/)")
 
 
 def _value(cfg: Any, key: str) -> Any:
