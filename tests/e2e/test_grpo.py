@@ -294,7 +294,8 @@ def test_num_iterations_trains_each_batch_again_and_uses_every_prompt(capsys, tm
     says so."""
     r = cli_run(capsys, grpo_args(setup, tmp_path / "run", **{
         "trainer.devices": "cpu", "trainer.batch_size": 4, "trainer.max_steps": 4,
-        "trainer.log_every": 1, "rl.num_iterations": 2, "checkpoint.record_samples": True}))
+        "trainer.log_every": 1, "rl.num_iterations": 2, "checkpoint.record_samples": True,
+        "rl.reward_functions": "[tests.e2e._grpo_rewards:digits]"}))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "4 steps = 2 batches x 2 iterations each (32 per epoch)" in r.stderr, r.stderr
     samples = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
@@ -309,7 +310,7 @@ def test_num_iterations_trains_each_batch_again_and_uses_every_prompt(capsys, tm
 def test_the_guides_math_reward_and_rloo_examples_run_as_printed(setup):
     """The guide's extra examples in the guide's folder: the math reward (records with an
     `answer` field, the reward against it) trains 2 steps with its TRL-named figures; the RLOO
-    command trains 4, its loss a real number and its reward logged."""
+    command trains 4 with its reward and KL logged; both close in reward terms."""
     blocks = [b for b in doc_blocks() if b.marker == "run by" and
               b.reason.startswith("tests/e2e/test_grpo.py") and "extra examples" in b.reason]
     code = [b.code for b in blocks if b.lang == "python"]
@@ -323,6 +324,10 @@ def test_the_guides_math_reward_and_rloo_examples_run_as_printed(setup):
         assert args[:2] == ["paratrain", "train"], args
         r = run_cli(args[1:], cwd=setup, timeout=400)
         assert r.returncode == 0, (args, r.stderr[-3000:])
+        # issue 43: the closing line in reward terms, not "validation loss -0.5"
+        assert re.match(r"final reward [0-9.]+, validation reward [0-9.]+; run dir: ",
+                        r.stdout.splitlines()[-1]), r.stdout
+        assert "validation reward" in r.stderr and "validation loss" not in r.stderr
     math = read_metrics(setup / "runs" / "math")
     assert "rewards/correct_answer/mean" in math[-1] and math[-1]["step"] == 2
     rloo = read_metrics(setup / "runs" / "rloo")
