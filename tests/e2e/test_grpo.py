@@ -290,14 +290,15 @@ def test_accumulation_on_one_process_is_two_ddp_workers(capsys, tmp_path, setup,
 def test_num_iterations_trains_each_batch_again_and_uses_every_prompt(capsys, tmp_path,
                                                                        setup):
     """rl.num_iterations=2: the data advances one batch per 2 steps (TRL repeats its batches),
-    so no prompt is skipped: 4 steps read 2 batches, the epoch is twice the steps, and the log
+    so no prompt is skipped: 4 steps read 2 batches, the epoch (63 prompts after the held-out
+    one: 15 batches) is twice the steps, and the log
     says so."""
     r = cli_run(capsys, grpo_args(setup, tmp_path / "run", **{
         "trainer.devices": "cpu", "trainer.batch_size": 4, "trainer.max_steps": 4,
         "trainer.log_every": 1, "rl.num_iterations": 2, "checkpoint.record_samples": True,
         "rl.reward_functions": "[tests.e2e._grpo_rewards:digits]"}))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "4 steps = 2 batches x 2 iterations each (32 per epoch)" in r.stderr, r.stderr
+    assert "4 steps = 2 batches x 2 iterations each (30 per epoch)" in r.stderr, r.stderr
     samples = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
     read = [json.loads(row)["ids"] for row in samples]
     assert [len(ids) for ids in read] == [4, 0, 4, 0], read  # steps 2 and 4: the batch again

@@ -137,9 +137,12 @@ def test_group_advantages_are_trls(scale):
     assert torch.allclose(group_advantages(rewards, G, scale), expected, rtol=0, atol=1e-6)
 
 
-def test_a_prompts_completions_do_not_depend_on_its_batch(tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"min_p": 0.05, "repetition_penalty": 1.3}],
+                         ids=["top-p-k", "min-p-repetition"])
+def test_a_prompts_completions_do_not_depend_on_its_batch(tmp_path, extra):
     """The same prompt, step and index give the same completions whether sampled alone or
-    beside other (longer, so left-padded) prompts: what 1 and N workers rely on."""
+    beside other (longer, so left-padded) prompts: what 1 and N workers rely on (with
+    repetition_penalty too: pads are not penalised)."""
     transformers = pytest.importorskip("transformers")
     from paratrain.tasks.rl.rollout import Sampling, prompt_generator, sample_completions
     torch.manual_seed(0)
@@ -147,7 +150,7 @@ def test_a_prompts_completions_do_not_depend_on_its_batch(tmp_path):
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config)
-    how = Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20)
+    how = Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20, **extra)
     short = torch.tensor([[5, 6, 7]])  # alone; then beside [1, 2, 3, 4, 5, 6, 8]
     alone, alone_mask = sample_completions(model, short, torch.ones_like(short),
                                            [prompt_generator(1, 3, 11)], 3, how, 0, 0)

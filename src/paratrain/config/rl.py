@@ -42,6 +42,11 @@ class RLConfig:
     """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1.0: off)."""
     top_k: int = 0
     """Sample among the k most likely tokens only (0: off)."""
+    min_p: Optional[float] = None
+    """Drop tokens less likely than min_p x the likeliest one (null: off; TRL's min_p)."""
+    repetition_penalty: float = 1.0
+    """Penalise the tokens a row already holds (prompt and completion so far; > 1 penalises,
+    1.0: off), as transformers does; the log-probabilities learnt from are not penalised."""
     beta: float = 0.0
     """KL coefficient to the reference (the policy's start; with LoRA, the policy with its
     adapters off); 0.0: no reference is held (TRL's default; DeepSeek-R1 used 0.001)."""
@@ -139,6 +144,8 @@ def check_rl(cfg: Any, min_generations: int) -> None:
               ("rl.temperature", r.temperature > 0, "positive"),
               ("rl.top_p", 0 < r.top_p <= 1, "in (0, 1]"),
               ("rl.top_k", r.top_k >= 0, "0 (off) or more"),
+              ("rl.min_p", r.min_p is None or 0 <= r.min_p <= 1, "in [0, 1] or null"),
+              ("rl.repetition_penalty", r.repetition_penalty > 0, "positive"),
               ("rl.beta", r.beta >= 0, "0 or more"),
               ("rl.epsilon", r.epsilon > 0, "positive"),
               ("rl.epsilon_high", r.epsilon_high is None or r.epsilon_high > 0, "positive"),
