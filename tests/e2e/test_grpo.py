@@ -298,7 +298,7 @@ def test_num_iterations_trains_each_batch_again_and_uses_every_prompt(capsys, tm
         "trainer.log_every": 1, "rl.num_iterations": 2, "checkpoint.record_samples": True,
         "rl.reward_functions": "[tests.e2e._grpo_rewards:digits]"}))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "4 steps = 2 batches x 2 iterations each (30 per epoch)" in r.stderr, r.stderr
+    assert "4 steps = 2 rollouts x 2 iterations each (30 per epoch)" in r.stderr, r.stderr
     samples = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
     read = [json.loads(row)["ids"] for row in samples]
     assert [len(ids) for ids in read] == [4, 0, 4, 0], read  # steps 2 and 4: the batch again

@@ -340,7 +340,7 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
         f"{dims.dp} data-parallel worker{'s' if dims.dp > 1 else ''} per stage of a " \
         f"{dims.pp}-stage pipeline"
     repeat = plan.steps_per_batch
-    reused = (f" = {-(-plan.total_steps // repeat)} batches x {repeat} iterations each"
+    reused = (f" = {-(-plan.total_steps // repeat)} rollouts x {repeat} iterations each"
               if repeat > 1 else "")
     log(env, f"batch: {tr.batch_size} per device x {split} x {plan.accum} "
              f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps"
