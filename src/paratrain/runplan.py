@@ -10,6 +10,7 @@ Workers derive nothing again.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -45,6 +46,8 @@ class RunPlan:
     steps_per_epoch: int
     total_steps: int
     cpu_threads: int  # torch threads per rank: the cores shared by the ranks on this host
+    threads_from: str = "cores"  # what decided cpu_threads: "cores" or "OMP_NUM_THREADS"
+    steps_per_batch: int = 1  # optimizer steps per batch of data (rl.num_iterations)
 
     @property
     def device_list(self) -> list[torch.device]:
@@ -91,7 +94,9 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     accum, global_batch = batch_plan(tr.batch_size, dims.dp * replicas, tr.global_batch_size)
     if dims.pp > 1:  # the accumulation micro-batches are the pipeline's
         check_schedule(parallelism, accum, tr.batch_size * dims.dp * replicas)
-    per_epoch = steps_per_epoch(len(task.train_ds), global_batch, task, cfg.data.drop_last)
+    repeat = int(getattr(task, "steps_per_batch", 1))  # each batch trained on this many steps
+    per_epoch = steps_per_epoch(len(task.train_ds), global_batch, task,
+                                cfg.data.drop_last) * repeat
     ranks_here = ranks_on_host or local_world_size
     return RunPlan(
         cfg=cfg, devices=tuple(str(d) for d in devices),
@@ -101,9 +106,18 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
         activation_checkpointing=tr.activation_checkpointing or bool(
             choice is not None and choice.activation_checkpointing),
         precision=tr.precision, micro_batch=tr.batch_size * replicas, accum=accum,
-        global_batch=global_batch, steps_per_epoch=per_epoch,
+        global_batch=global_batch, steps_per_epoch=per_epoch, steps_per_batch=repeat,
         total_steps=tr.max_steps or tr.epochs * per_epoch,
-        cpu_threads=max(1, cpu_count() // max(1, ranks_here)))
+        **thread_share(cpu_count(), ranks_here, os.environ.get("OMP_NUM_THREADS")))
+
+
+def thread_share(cores: int, ranks_here: int, omp_num_threads: Optional[str]) -> dict:
+    """Torch threads per rank: OMP_NUM_THREADS when set to a positive number (the user's, or
+    torchrun's, choice: on a shared machine fewer threads than cores run far faster), else the
+    cores this process may use shared by the ranks on this host."""
+    if omp_num_threads and omp_num_threads.strip().isdigit() and int(omp_num_threads) > 0:
+        return {"cpu_threads": int(omp_num_threads), "threads_from": "OMP_NUM_THREADS"}
+    return {"cpu_threads": max(1, cores // max(1, ranks_here)), "threads_from": "cores"}
 
 
 def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.device,

@@ -15,7 +15,8 @@ import torch
 
 from paratrain.errors import TrainingError
 from paratrain.tasks.rl.grpo_loss import LossOptions, reduce_loss, token_terms
-from paratrain.tasks.rl.rewards import Rewards, group_advantages
+from paratrain.tasks.rl.advantages import group_relative as group_advantages
+from paratrain.tasks.rl.rewards import Rewards
 from tests.conftest import cli_error
 
 N, C = 6, 7  # completions, completion tokens
@@ -47,7 +48,7 @@ def _trl_loss(t: dict, logps: torch.Tensor, o: LossOptions) -> torch.Tensor:
         vllm_importance_sampling_correction=False, model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=o.max_new_tokens,
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
-        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None,
+        args=types.SimpleNamespace(use_bias_correction_kl=o.bias_correction_kl, delta=None,
                                    steps_per_generation=1),
         accelerator=types.SimpleNamespace(num_processes=1, reduce=lambda x, reduction: x,
                                           gather=lambda x: x))
@@ -60,12 +61,27 @@ def _trl_loss(t: dict, logps: torch.Tensor, o: LossOptions) -> torch.Tensor:
     return trl_grpo.GRPOTrainer._compute_loss(trainer, None, inputs)
 
 
+def _trl_default_bias_correction() -> bool:
+    trl = pytest.importorskip("trl")
+    return trl.GRPOConfig.__dataclass_fields__["use_bias_correction_kl"].default
+
+
+def test_the_kl_correction_is_on_by_default_as_in_trl():
+    """rl.bias_correction_kl defaults to TRL's use_bias_correction_kl default (true in 1.16)."""
+    from paratrain.config.rl import RLConfig
+    assert RLConfig().bias_correction_kl is _trl_default_bias_correction() is True
+    assert LossOptions.of(RLConfig()).bias_correction_kl is True
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
-def test_loss_and_gradient_equal_trls(loss_type):
+@pytest.mark.parametrize("correction", [True, False], ids=["trl-default", "no-correction"])
+def test_loss_and_gradient_equal_trls(loss_type, correction):
     """One micro-batch on one process: TRL's loss is our sum over our units; the gradients with
-    respect to the policy's log-probs agree too (within 1e-6; both in float64)."""
+    respect to the policy's log-probs agree too (within 1e-6; both in float64); with TRL's
+    default KL correction and without it."""
     t = _tensors()
-    o = LossOptions(loss_type, beta=0.04, epsilon=0.2, epsilon_high=0.28, max_new_tokens=C + 1)
+    o = LossOptions(loss_type, beta=0.04, epsilon=0.2, epsilon_high=0.28, max_new_tokens=C + 1,
+                    bias_correction_kl=correction)
     ours_in = t["logps"].clone().requires_grad_()
     terms = token_terms(ours_in, t["old"], t["ref"], t["advantages"], o)
     s, units = reduce_loss(terms.loss, t["mask"], o)
@@ -80,6 +96,27 @@ def test_loss_and_gradient_equal_trls(loss_type):
     assert error <= 1e-6, (float(ours.detach()), float(theirs.detach()))
     assert torch.allclose(ours_in.grad, theirs_in.grad, rtol=0, atol=1e-6)
     assert float(ours_in.grad.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
+def test_on_policy_the_correction_moves_the_gradient_not_the_loss(loss_type):
+    """On-policy (old = the policy's own log-probs, detached: rl.num_iterations=1) TRL's default
+    loss equals the uncorrected one, but its gradient differs; ours follows TRL's default."""
+    t = _tensors()
+    grads = []
+    for correction in (True, False):
+        o = LossOptions(loss_type, beta=0.04, max_new_tokens=C + 1, bias_correction_kl=correction)
+        ours_in = t["logps"].clone().requires_grad_()
+        terms = token_terms(ours_in, ours_in.detach(), t["ref"], t["advantages"], o)
+        s, units = reduce_loss(terms.loss, t["mask"], o)
+        (s / units).backward()
+        theirs_in = t["logps"].clone().requires_grad_()
+        theirs = _trl_loss({**t, "old": None}, theirs_in, o)
+        theirs.backward()
+        assert abs(float((s / units - theirs).detach())) <= 1e-6
+        assert torch.allclose(ours_in.grad, theirs_in.grad, rtol=0, atol=1e-6)
+        grads.append(ours_in.grad)
+    assert (grads[0] - grads[1]).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -100,9 +137,12 @@ def test_group_advantages_are_trls(scale):
     assert torch.allclose(group_advantages(rewards, G, scale), expected, rtol=0, atol=1e-6)
 
 
-def test_a_prompts_completions_do_not_depend_on_its_batch(tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"min_p": 0.05, "repetition_penalty": 1.3}],
+                         ids=["top-p-k", "min-p-repetition"])
+def test_a_prompts_completions_do_not_depend_on_its_batch(tmp_path, extra):
     """The same prompt, step and index give the same completions whether sampled alone or
-    beside other (longer, so left-padded) prompts: what 1 and N workers rely on."""
+    beside other (longer, so left-padded) prompts: what 1 and N workers rely on (with
+    repetition_penalty too: pads are not penalised)."""
     transformers = pytest.importorskip("transformers")
     from paratrain.tasks.rl.rollout import Sampling, prompt_generator, sample_completions
     torch.manual_seed(0)
@@ -110,7 +150,7 @@ def test_a_prompts_completions_do_not_depend_on_its_batch(tmp_path):
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config)
-    how = Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20)
+    how = Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20, **extra)
     short = torch.tensor([[5, 6, 7]])  # alone; then beside [1, 2, 3, 4, 5, 6, 8]
     alone, alone_mask = sample_completions(model, short, torch.ones_like(short),
                                            [prompt_generator(1, 3, 11)], 3, how, 0, 0)
@@ -201,11 +241,14 @@ def test_a_failing_reward_function_names_itself(fn, says):
     (["rl.reward_functions=[a:b]", "trainer.tensor_parallel=2"], "tensor parallelism is not "
                                                                  "supported for it yet"),
     (["rl.reward_functions=[a:b]", "trainer.pipeline_parallel=2"], "pipeline"),
+    (["rl.reward_models=[{hf}]"], "holds LlamaForCausalLM (a causal LM), not a reward model"),
+    (["rl.reward_functions=[a:b]", "trainer.objective=rloo", "rl.num_generations=1"],
+     "rl.num_generations=1 must be at least 2"),
 ])
 def test_rl_config_is_checked(capsys, hf_llama, tmp_path, extra, says):
     line = cli_error(capsys, ["config", "show", "model.arch=hf", f"model.path={hf_llama}",
                               "data.format=prompts", f"data.source={tmp_path / 'p.jsonl'}",
-                              *extra])
+                              *[e.format(hf=hf_llama) for e in extra]])
     assert says in line, line
 
 

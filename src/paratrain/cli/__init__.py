@@ -53,10 +53,14 @@ def cmd_train(ns: argparse.Namespace) -> int:
     finally:
         forkserver.stop()  # nothing more to launch (its own exit would hold our output pipes)
     if result.is_master:
-        accuracy = result.summary.get("val_accuracy")
-        figures = [f"{name} {value:.4f}" for name, value in (
+        s = result.summary
+        online_rl = "val_reward" in s or s.get("final_reward") is not None  # loss: -reward
+        named = [("final reward", s.get("final_reward")),
+                 ("validation reward", s.get("val_reward"))] if online_rl else [
             ("final loss", result.final_loss), ("validation loss", result.val_loss),
-            ("accuracy", accuracy)) if value is not None]  # (no loss: resumed at the end)
+            ("accuracy", s.get("val_accuracy"))]
+        figures = [f"{name} {value:.4f}" for name, value in named
+                   if value is not None]  # (no loss: resumed at the end)
         print(", ".join(figures) + f"; run dir: {result.run_dir}")
     return 0
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
 from .model_folder import model_config
-from .rl import check_rl
+from .rl import check_grpo, check_ppo, check_rloo
 
 
 @dataclass(frozen=True)
@@ -321,13 +321,19 @@ register(TaskSpec(
             "the outputs"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.grpo:GRPOTask", pretrained=True, objective="grpo",
-    record_fields=("prompt",), checks=(check_rl,),
+    record_fields=("prompt",), checks=(check_grpo,),
     generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as in training
     summary="online RL (GRPO): a pretrained causal LM samples completions of prompts and learns "
             "from their rewards (rl.*)"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.ppo:PPOTask", pretrained=True, objective="ppo",
-    record_fields=("prompt",), checks=(check_rl,),
+    record_fields=("prompt",), checks=(check_ppo,),
     generate="paratrain.models.hf:generate_hf_reply",
     summary="online RL (PPO): a pretrained causal LM with a value head learns from the rewards "
             "of its own completions (rl.*)"))
+register(TaskSpec(
+    "prompts", "paratrain.tasks.rl.rloo:RLOOTask", pretrained=True, objective="rloo",
+    record_fields=("prompt",), checks=(check_rloo,),
+    generate="paratrain.models.hf:generate_hf_reply",
+    summary="online RL (RLOO): a pretrained causal LM learns from its completions' rewards, "
+            "each against the mean of its prompt's other completions (rl.*)"))

@@ -118,7 +118,7 @@ class DataConfig:
     """What the data is and what is trained: packed (contiguous windows of text) | padded (one
     document per row, pads ignored by the loss) | pairs (input -> output) | chat (messages) |
     classify (text -> label) | preference (prompt, chosen, rejected: DPO or a reward model) |
-    prompts (prompts alone: online RL, trainer.objective=grpo or ppo)."""
+    prompts (prompts alone: online RL, trainer.objective=grpo, rloo or ppo)."""
     pack: bool = False
     """pairs / chat: several examples per row (refused for now: examples are padded to the
     longest of each micro-batch instead)."""
@@ -230,7 +230,7 @@ class TrainerConfig:
     objective: str = "auto"
     """What data.format trains: auto (the format's first) | lm | sft | classify | setfit
     (classify data) | dpo | kto | reward (preference data) | seq2seq (pairs on an
-    encoder-decoder model) | embedding | grpo | ppo (prompts; rl.*)."""
+    encoder-decoder model) | embedding | grpo | rloo | ppo (prompts; rl.*)."""
 
 
 @dataclass

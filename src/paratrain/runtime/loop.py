@@ -84,6 +84,7 @@ class TrainLoop:
                                   batches if self.recorder is None else self.recorder,
                                   task.collate, cfg, env)
         self._stand_in: Any = None  # a batch run for an empty micro-batch (a short last step)
+        self._held: Optional[list] = None  # the step's micro-batches (steps_per_batch > 1)
         self.stopped_early: Optional[str] = None  # why the loop stopped before total_steps
         self.stopped_by = 0  # the signal every rank agreed to stop on (0: none)
         self.val_metrics: dict = {}  # the last evaluation's figures besides the loss (accuracy)
@@ -95,8 +96,10 @@ class TrainLoop:
         this epoch consumed, counted globally, so any world size continues the same order."""
         self.state.restore(resumed, self.env.is_master)
         epoch, done = divmod(self.state.step, self.plan.steps_per_epoch)
+        batches_done = done // self.plan.steps_per_batch  # (rl.num_iterations: whole batches)
         self.sampler.load_state_dict({"epoch": epoch, "seed": self.sampler.seed,
-                                      "position": done * self.plan.global_batch // self.dp})
+                                      "position": batches_done * self.plan.global_batch //
+                                      self.dp})
 
     def record_evaluation(self, val_loss: Optional[float]) -> None:
         """Track the best validation loss; a new best goes to `on_best` (keep_best saves it)."""
@@ -151,7 +154,9 @@ class TrainLoop:
         st = self.state
         t_data = time.perf_counter()
         self.progress.at(st.step + 1, "data")
-        micro = [next(batches) for _ in range(self.plan.accum)]
+        if st.step % self.plan.steps_per_batch == 0 or self._held is None:  # else the batch
+            self._held = [next(batches) for _ in range(self.plan.accum)]  # is trained again
+        micro = self._held
         out.window.wait(time.perf_counter() - t_data)
         self.figures.data_wait_s += time.perf_counter() - t_data
         micro, rolled = self._rollout(micro)
@@ -232,7 +237,8 @@ class TrainLoop:
         env, model, step = self.env, self.model, self.state.step
         per_sample = self.task.units_per_sample
         if per_sample is not None:  # every sample counts the same: no need to ask the others
-            samples = self.sampler.samples_in_step(step % self.plan.steps_per_epoch)
+            samples = self.sampler.samples_in_step(
+                step % self.plan.steps_per_epoch // self.plan.steps_per_batch)
             global_units = float(samples * per_sample)
         else:  # padded rows: count the real tokens of the whole global batch first
             mine = sum(self.task.count_units(mb) for mb in micro if mb is not None) \

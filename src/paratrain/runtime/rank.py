@@ -210,7 +210,10 @@ class RankRun:
             log(env, f"keeping the weights of step {best.best_step} (validation loss "
                      f"{best.best_loss:.4f}; the last step's is {val_loss:.4f})")
             val_loss, val_metrics = best.best_loss, best.best_metrics
-        if val_loss is not None:
+        if val_metrics.get("val_reward") is not None:  # online RL: the loss is -reward
+            log(env, f"validation reward {val_metrics['val_reward']:.4f} (the held-out "
+                     "prompts' completions, scored)")
+        elif val_loss is not None:
             log(env, f"validation loss {val_loss:.4f}" + (
                 f" (perplexity {math.exp(val_loss):.2f})" if self.task.perplexity else "") + (
                 f"; accuracy {val_metrics['val_accuracy']:.4f} on {val_metrics['val_samples']} "
@@ -237,7 +240,9 @@ class RankRun:
         loss = summary["final_loss"]  # None: no step logged (resumed at the end)
         log(self.env, f"done in {time.time() - self.timeline.start:.1f} s from the command's "
                       f"start ({summary['wall_s']:.1f} s training): " + (
-            f"final loss {loss:.4f}; " if loss is not None else "") +
+            f"final loss {loss:.4f}; " if loss is not None else "") + (
+            f"final reward {summary['final_reward']:.4f}; "
+            if summary.get("final_reward") is not None else "") +
             f"outputs in {cfg.run_dir}")
         return None
 
@@ -322,18 +327,24 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
     tr = plan.cfg.trainer
     extras = "".join([" + activation checkpointing" if plan.activation_checkpointing else "",
                       " + CPU offload" if plan.parallelism.offloads_to_host else ""])
+    threads = (f" ({plan.cpu_threads} thread{'s' if plan.cpu_threads > 1 else ''} each, "
+               f"{'from OMP_NUM_THREADS' if plan.threads_from != 'cores' else 'a share of the cores'})"
+               if env.device.type == "cpu" else "")
     log(env, f"{task.describe(n_params)}; strategy {plan.parallelism.name}{extras} "
-             f"({plan.parallelism_reason}); {env.world_size} worker(s) on {env.device.type}; "
-             f"precision {plan.precision}")
+             f"({plan.parallelism_reason}); {env.world_size} worker(s) on {env.device.type}"
+             f"{threads}; precision {plan.precision}")
     dims = plan.dims
     split = f"{env.world_size} workers" if dims.tp == 1 and dims.pp == 1 else \
         f"{dims.dp} data-parallel group{'s' if dims.dp > 1 else ''} of {dims.tp} " \
         "tensor-parallel workers" if dims.pp == 1 else \
         f"{dims.dp} data-parallel worker{'s' if dims.dp > 1 else ''} per stage of a " \
         f"{dims.pp}-stage pipeline"
+    repeat = plan.steps_per_batch
+    reused = (f" = {-(-plan.total_steps // repeat)} rollouts x {repeat} iterations each"
+              if repeat > 1 else "")
     log(env, f"batch: {tr.batch_size} per device x {split} x {plan.accum} "
-             f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps "
-             f"({plan.steps_per_epoch} per epoch)")
+             f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps"
+             f"{reused} ({plan.steps_per_epoch} per epoch)")
     for line in [*optim.schedule_warnings(plan.cfg.optim, plan.total_steps),
                  bound_line(plan, task)]:
         if line:
@@ -352,6 +363,7 @@ def run_summary(run: RankRun, last: dict, val_loss: Optional[float], memory: lis
     return {
         "steps": step, "epochs": step / plan.steps_per_epoch,
         "final_loss": last.get("loss"), "val_loss": val_loss,
+        "final_reward": last.get("reward"),  # online RL: the last log line's mean reward
         "val_perplexity": math.exp(min(val_loss, 700))  # of a per-token cross-entropy only
         if val_loss is not None and task.unit_name == "tokens" else None,
         "wall_s": wall_s, "train_s": figures.train_s,

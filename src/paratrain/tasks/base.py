@@ -75,6 +75,8 @@ class Task(Protocol):
     units_per_sample: Optional[int]  # loss units per sample when fixed; None: count per batch
     tokenizer_path: Optional[Path]
     data_fingerprint: Optional[str]
+    # optional: steps_per_batch (int, default 1): optimizer steps trained on each batch of data
+    # (online RL's rl.num_iterations: the data advances one batch per that many steps)
 
     @property
     def collate(self) -> Callable[[list], Any]: ...

@@ -13,7 +13,9 @@ rank, so advantages need no communication, and 1 and N workers sample the same c
 The reference (rl.beta > 0): a frozen copy of model.path placed and sharded like the policy;
 with LoRA, the policy with its adapters off (no second copy). rl.num_iterations > 1 trains on
 each batch of completions that many steps, clipped against the log-probabilities they were
-sampled with; the prompts of the steps in between are not used (TRL repeats its batches).
+sampled with; the data advances one batch per rl.num_iterations steps (`steps_per_batch`), so
+every prompt is used, as TRL repeats its batches (an epoch is that many times the steps). A run
+resumed between two iterations samples its batch again (the completions are not snapshotted).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from ...formatting import human_count
 from ..base import NO_FROZEN, Frozen, MemoryProbe, to_device
 from .grpo_loss import LossOptions, clip_counts, loss_units, reduce_loss, token_terms
 from ..hf import Encoder
-from .rewards import Rewards, group_advantages
+from .advantages import group_relative
+from .rewards import Rewards
 from .rollout import (
     Sampling,
     TokenScores,
@@ -55,9 +58,15 @@ class GRPOTask(CausalLMTask):
 
     def __post_init__(self) -> None:
         rl = self.cfg.rl
+        self.group = rl.num_generations  # completions per prompt: read here only
         self.rewards = self.rewards or Rewards.of(rl)
         self.sampling, self.options = Sampling.of(rl), LossOptions.of(rl)
         self.unit_name = "completion tokens" if rl.loss_type == "dapo" else "completions"
+
+    @property
+    def steps_per_batch(self) -> int:
+        """rl.num_iterations: the loop trains that many steps on each batch of prompts."""
+        return self.cfg.rl.num_iterations
 
     @property
     def kl_coef(self) -> float:
@@ -111,7 +120,7 @@ class GRPOTask(CausalLMTask):
         from .memory import FrozenProbe, GenerationCache, GroupProbe
         rl = self.cfg.rl
         reference = self.kl_coef != 0.0 and not self.lora
-        return MemoryProbe(GroupProbe(self.cfg, rl.num_generations),
+        return MemoryProbe(GroupProbe(self.cfg, self.group),
                            self.train_ds.longest + rl.max_new_tokens, len(self.tokenizer),
                            build_frozen=FrozenProbe(self.cfg, reference)
                            if reference or rl.reward_models else None,
@@ -129,7 +138,7 @@ class GRPOTask(CausalLMTask):
         batches = [self._sample(model, mb, step, env.device, amp) if mb is not None else None
                    for mb in micro]
         t1 = time.perf_counter()
-        scored = [self._score(b, frozen, env.device, amp) if b is not None else None
+        scored = [self._score(b, frozen, env.device, amp, step) if b is not None else None
                   for b in batches]
         t2 = time.perf_counter()
         out = self._advantages(model, batches, scored, env, amp, frozen)
@@ -146,21 +155,26 @@ class GRPOTask(CausalLMTask):
             to_device(mb["prompt_mask"], device)
         seed = self.cfg.trainer.seed
         gens = [prompt_generator(seed, step, int(i)) for i in mb["index"]]
-        G = self.cfg.rl.num_generations
+        G = self.group
         completion, mask = sample_completions(unwrapped(model), prompt_ids, prompt_mask, gens, G,
                                               self.sampling, self.eos, self.collate.pad_id, amp,
                                               self._all_done)
         return {"prompt_ids": prompt_ids.repeat_interleave(G, 0),
                 "prompt_mask": prompt_mask.repeat_interleave(G, 0),
                 "completion_ids": completion, "completion_mask": mask,
-                "prompts": [p for p in mb["prompts"] for _ in range(G)]}
+                "prompts": [p for p in mb["prompts"] for _ in range(G)],
+                "fields": [f for f in mb.get("fields", [{}] * len(mb["prompts"]))
+                           for _ in range(G)]}
 
-    def _score(self, b: dict, frozen: Frozen, device: torch.device, amp: ContextManager
-               ) -> torch.Tensor:
-        """(N, F) each reward's score of each completion."""
+    def _score(self, b: dict, frozen: Frozen, device: torch.device, amp: ContextManager,
+               step: int) -> torch.Tensor:
+        """(N, F) each reward's score of each completion (NaN: a function's None)."""
         ids = b["completion_ids"].masked_fill(b["completion_mask"] == 0, self.collate.pad_id)
         texts = self.tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
-        return self.rewards.score(b["prompts"], texts, frozen, device, amp)
+        completion_ids = [row[:int(n)] for row, n in zip(b["completion_ids"].tolist(),
+                                                          b["completion_mask"].sum(-1))]
+        return self.rewards.score(b["prompts"], texts, frozen, device, amp, fields=b["fields"],
+                                  step=step, completion_ids=completion_ids)
 
     def _advantages(self, model: nn.Module, batches: list, scored: list, env: Any,
                     amp: ContextManager, frozen: Frozen) -> list:
@@ -182,10 +196,9 @@ class GRPOTask(CausalLMTask):
         rl, dev = self.cfg.rl, b["completion_ids"].device
         total = self.rewards.total(per_fn)  # (N,)
         if batch_std is None:
-            advantages = group_advantages(total, rl.num_generations, rl.scale_rewards)
+            advantages = group_relative(total, self.group, rl.scale_rewards)
         else:
-            advantages = (group_advantages(total, rl.num_generations, "none") /
-                          (batch_std + 1e-4))
+            advantages = group_relative(total, self.group, "none") / (batch_std + 1e-4)
         mask = b["completion_mask"]
         truncated = ~(b["completion_ids"] == self.eos).any(dim=1)  # (N,) no EOS: cut short
         if rl.mask_truncated_completions:
@@ -220,7 +233,7 @@ class GRPOTask(CausalLMTask):
         scored; the "loss" is minus their mean reward (so the best evaluation is the highest
         reward), val_reward its opposite."""
         b = self._sample(model, batch, -1, device, amp)
-        total = self.rewards.total(self._score(b, frozen, device, amp))  # (N,)
+        total = self.rewards.total(self._score(b, frozen, device, amp, -1))  # (N,)
         return -total.sum(), int(total.numel()), {"reward": float(total.sum()),
                                                   "completions": float(total.numel())}
 
@@ -260,7 +273,7 @@ class GRPOTask(CausalLMTask):
         total = self.rewards.total(per_fn)  # (N,)
         lengths = torch.cat([b["completion_mask"].sum(-1) for b in batches]).double() \
             if batches else torch.zeros(0)
-        G = self.cfg.rl.num_generations
+        G = self.group
         out = {"completions": float(total.numel()), "reward": float(total.sum()),
                "reward_sq": float((total * total).sum()),
                "length": float(lengths.sum()),
@@ -268,9 +281,10 @@ class GRPOTask(CausalLMTask):
                "zero_std_groups": float((total.view(-1, G).std(dim=1) < 1e-8).sum())
                if total.numel() and G > 1 else 0.0,
                "groups": float(total.numel() // G)}
-        for j, label in enumerate(self.rewards.labels):
-            out[f"fn/{label}"] = float(per_fn[:, j].sum())
-            out[f"fn_sq/{label}"] = float((per_fn[:, j] ** 2).sum())
+        for j, label in enumerate(self.rewards.labels):  # None (NaN) left out, as TRL's nanmean
+            out[f"fn/{label}"] = float(per_fn[:, j].nansum())
+            out[f"fn_sq/{label}"] = float((per_fn[:, j] ** 2).nansum())
+            out[f"fn_n/{label}"] = float((~per_fn[:, j].isnan()).sum())
         longest = env.max_over_ranks(float(lengths.max()) if lengths.numel() else 0.0)
         shortest = -env.max_over_ranks(-float(lengths.min()) if lengths.numel() else -1e9)
         master = 1.0 if env.is_master else 0.0
@@ -286,7 +300,7 @@ class GRPOTask(CausalLMTask):
 
     def describe(self, n_params: int) -> str:
         rl = self.cfg.rl
-        return (f"GRPO ({rl.loss_type} loss, {rl.num_generations} completions per prompt, "
+        return (f"GRPO ({rl.loss_type} loss, {self.group} completions per prompt, "
                 f"beta {rl.beta}) on model hf ({self.cfg.model.path}): {human_count(n_params)} "
                 f"parameters; rewards: {', '.join(self.rewards.names + self.rewards.models)}; "
                 f"tokenizer {self.tokenizer_dir} ({len(self.tokenizer)} tokens)")

@@ -3,7 +3,11 @@ computes it (trl/trainer/grpo_trainer.py; the test drives TRL's own code on the 
 
     ratio = exp(log pi - log pi_old)                       (pi_old: the policy that sampled)
     per-token loss = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)
-                     + beta * (exp(ref - log pi) - (ref - log pi) - 1)      (k3 KL estimator)
+                     + beta * k3 * ratio        (k3 = exp(ref - log pi) - (ref - log pi) - 1)
+
+k3 is the KL estimator; the `ratio` factor is TRL's importance-sampling correction of it
+(`use_bias_correction_kl`, TRL's default; rl.bias_correction_kl=false drops it). On-policy the
+ratio is 1 (its gradient is not: the factor moves the KL term's gradient).
 
 summed over completion tokens, then normalised by `loss_type`. The loop weighs every
 micro-batch's (sum, units) by the units of the whole global batch, so each loss type is written
@@ -15,30 +19,34 @@ as a sum over its units:
     bnpo     per micro-batch: token mean x its completions / completions   units: completions
 
 dapo, grpo and dr_grpo are then the same on 1 and N workers; bnpo averages per micro-batch, as
-TRL's does (the same only when micro-batches are the same size).
+TRL's does (the same only when micro-batches are the same size). The loss types are the table
+`LOSS_TYPES` (name -> its reduction); config/rl.py takes its choices from the same names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
+
+from ...config.rl import LOSS_TYPE_NAMES
 
 
 @dataclass(frozen=True)
 class LossOptions:
-    """rl.loss_type, beta, epsilon, epsilon_high, max_new_tokens."""
+    """rl.loss_type, beta, epsilon, epsilon_high, max_new_tokens, bias_correction_kl."""
     loss_type: str = "dapo"
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None
     max_new_tokens: int = 512
+    bias_correction_kl: bool = True
 
     @classmethod
     def of(cls, rl: object) -> "LossOptions":
         return cls(rl.loss_type, rl.beta, rl.epsilon, rl.epsilon_high,  # type: ignore
-                   rl.max_new_tokens)  # type: ignore
+                   rl.max_new_tokens, rl.bias_correction_kl)  # type: ignore
 
     @property
     def high(self) -> float:
@@ -65,8 +73,30 @@ def token_terms(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: Optiona
     if o.beta != 0.0:
         assert ref_logps is not None, "beta > 0 needs the reference's log-probs"
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # (N, C)
+        if o.bias_correction_kl:  # TRL's use_bias_correction_kl: weighed by pi / pi_old
+            kl = kl * ratio
         loss = loss + o.beta * kl
     return TokenTerms(loss, ratio, kl)
+
+
+class LossType(NamedTuple):
+    """One rl.loss_type: a micro-batch's (N,) summed token losses, (N,) token counts and
+    max_new_tokens -> its sum over its loss units; and whether those units are tokens (else
+    completions)."""
+    reduce: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    per_token: bool
+
+
+LOSS_TYPES: dict[str, LossType] = {  # the module docstring's table
+    "dapo": LossType(lambda summed, tokens, new: summed.sum(), per_token=True),
+    "grpo": LossType(lambda summed, tokens, new: (summed / tokens.clamp(min=1.0)).sum(),
+                     per_token=False),
+    "dr_grpo": LossType(lambda summed, tokens, new: summed.sum() / new, per_token=False),
+    "bnpo": LossType(lambda summed, tokens, new:
+                     summed.sum() / tokens.sum().clamp(min=1.0) * summed.numel(),
+                     per_token=False),
+}
+assert tuple(LOSS_TYPES) == LOSS_TYPE_NAMES, "config/rl.py names the loss types of this table"
 
 
 def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, o: LossOptions
@@ -74,22 +104,13 @@ def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, o: LossOptions
     """(N, C) token losses and (N, C) mask -> (the micro-batch's sum over its loss units, those
     units), per rl.loss_type (module docstring)."""
     masked = (per_token * mask).sum(-1)  # (N,) each completion's summed loss
-    tokens = mask.sum(-1)  # (N,)
-    n = per_token.size(0)
-    if o.loss_type == "dapo":
-        return masked.sum(), int(tokens.sum())
-    if o.loss_type == "grpo":
-        return (masked / tokens.clamp(min=1.0)).sum(), n
-    if o.loss_type == "dr_grpo":
-        return masked.sum() / o.max_new_tokens, n
-    if o.loss_type == "bnpo":
-        return masked.sum() / tokens.sum().clamp(min=1.0) * n, n
-    raise ValueError(f"unknown loss_type {o.loss_type!r}")
+    kind = LOSS_TYPES[o.loss_type]
+    return kind.reduce(masked, mask.sum(-1), o.max_new_tokens), loss_units(mask, o.loss_type)
 
 
 def loss_units(mask: torch.Tensor, loss_type: str) -> int:
     """The loss units of a micro-batch whose completions' (N, C) mask this is."""
-    return int(mask.sum()) if loss_type == "dapo" else int(mask.size(0))
+    return int(mask.sum()) if LOSS_TYPES[loss_type].per_token else int(mask.size(0))
 
 
 def clip_counts(terms: TokenTerms, advantages: torch.Tensor, mask: torch.Tensor,

@@ -19,9 +19,10 @@ def grpo_metrics(c: dict, reward_names: list[str]) -> dict:
     if n:
         out.update({"reward": c["reward"] / n, "reward_std": _std(c["reward"],
                                                                     c["reward_sq"], n)})
-        for f in reward_names:
-            out[f"rewards/{f}/mean"] = c[f"fn/{f}"] / n
-            out[f"rewards/{f}/std"] = _std(c[f"fn/{f}"], c[f"fn_sq/{f}"], n)
+        for f in reward_names:  # over the completions it scored (None: not)
+            scored = c.get(f"fn_n/{f}", n)
+            out[f"rewards/{f}/mean"] = c[f"fn/{f}"] / scored if scored else math.nan
+            out[f"rewards/{f}/std"] = _std(c[f"fn/{f}"], c[f"fn_sq/{f}"], scored)
         out.update({"frac_reward_zero_std": c["zero_std_groups"] / max(c["groups"], 1.0),
                     "completions/mean_length": c["length"] / n,
                     "completions/clipped_ratio": c["truncated"] / n})

@@ -22,7 +22,8 @@ from torch import nn
 
 from ..base import NO_FROZEN, Frozen
 from .grpo import GRPOTask
-from .ppo_loss import PPOOptions, gae, ppo_token_losses, token_rewards, whiten
+from .advantages import gae, step_moments, whiten
+from .ppo_loss import PPOOptions, ppo_token_losses, token_rewards
 
 
 class ValueHead(nn.Linear):
@@ -92,12 +93,7 @@ class PPOTask(GRPOTask):
                         "loss_mask": mask, "rewards": per_fn,
                         "truncated": ~(b["completion_ids"] == self.eos).any(dim=1)})
         kept = [b for b in out if b is not None]
-        n, s1, s2 = env.all_reduce_sum([
-            sum(float(b["loss_mask"].sum()) for b in kept),
-            sum(float((b["advantages"] * b["loss_mask"]).sum()) for b in kept),
-            sum(float((b["advantages"] ** 2 * b["loss_mask"]).sum()) for b in kept)]).tolist()
-        mean = s1 / max(n, 1.0)
-        var = (s2 / max(n, 1.0) - mean * mean) * n / max(n - 1, 1.0)  # unbiased, as TRL's
+        mean, var = step_moments(env, [(b["advantages"], b["loss_mask"]) for b in kept])
         for b in kept:
             b["advantages"] = whiten(b["advantages"], b["loss_mask"], mean, var)
         return out
@@ -138,7 +134,7 @@ class PPOTask(GRPOTask):
 
     def describe(self, n_params: int) -> str:
         rl = self.cfg.rl
-        return (f"PPO (value head, kl_coef {rl.kl_coef}, {rl.num_generations} completions per "
+        return (f"PPO (value head, kl_coef {rl.kl_coef}, {self.group} completions per "
                 f"prompt) on " + super().describe(n_params).split(" on ", 1)[1])
 
     @property

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .advantages import gae, whiten  # noqa: F401  (PPO's estimator; re-exported for the tests)
+
 
 @dataclass(frozen=True)
 class PPOOptions:
@@ -45,27 +47,6 @@ def token_rewards(scores: torch.Tensor, old_logps: torch.Tensor, ref_logps: torc
     last = (mask.cumsum(-1) * mask).argmax(-1)  # (N,) the last counted token
     return rewards.index_put((torch.arange(len(scores)), last),
                              scores.to(rewards.dtype), accumulate=True)
-
-
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, C) rewards, values and mask -> (advantages, returns), both (N, C), unwhitened."""
-    values, rewards = values * mask, rewards * mask
-    last = torch.zeros_like(values[:, 0])  # (N,)
-    reversed_: list[torch.Tensor] = []
-    C = rewards.size(1)
-    for t in reversed(range(C)):
-        next_values = values[:, t + 1] if t < C - 1 else 0.0
-        delta = rewards[:, t] + gamma * next_values - values[:, t]
-        last = delta + gamma * lam * last
-        reversed_.append(last)
-    advantages = torch.stack(reversed_[::-1], dim=1)  # (N, C)
-    return advantages, advantages + values
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor, mean: float, var: float) -> torch.Tensor:
-    """TRL's masked_whiten (shift_mean=True) with the mean and (unbiased) variance given."""
-    return (x - mean) * torch.rsqrt(torch.tensor(var + 1e-8, dtype=x.dtype)) * mask
 
 
 def ppo_token_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,

@@ -33,9 +33,10 @@ def load_reward_model(folder: str) -> nn.Module:
     path = Path(folder).expanduser()
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
         path, local_files_only=True, use_safetensors=True)
-    if model.config.num_labels != 1:
-        raise ConfigError(f"rl.reward_models: {folder} has {model.config.num_labels} labels; a "
-                          "reward model gives one score (trainer.objective=reward trains one)")
+    if model.config.num_labels != 1:  # a classifier (config/rl.py refused other heads)
+        raise ConfigError(f"rl.reward_models: {folder} is a classifier with "
+                          f"{model.config.num_labels} labels; a reward model gives one score "
+                          "(trainer.objective=reward trains one)")
     return model
 
 

@@ -1,22 +1,34 @@
-"""The rewards of online RL (grpo.py): functions `f(prompts, completions) -> list[float]`, named
-`module:function` in rl.reward_functions (the Python API passes the functions, which it names
-so), and reward models (rl.reward_models: reward_models.py), summed with rl.reward_weights;
-and the group-relative advantages GRPO learns from.
+"""The rewards of online RL (grpo.py): functions `f(prompts, completions, **kwargs) ->
+list[float]`, named `module:function` in rl.reward_functions (the Python API passes the
+functions, which it names so), and reward models (rl.reward_models: reward_models.py), summed
+with rl.reward_weights (the advantages they give: advantages.py).
 
-A reward function that raises, returns another number of scores than completions, or a score
-that is not a finite number stops the run with one line naming it: nothing is trained on it.
+A function is called as TRL 1.16 GRPOTrainer calls it: `prompts`, `completions`,
+`completion_ids` and every other field of the prompts' records (a reference answer, test
+cases) as keyword lists aligned with the completions, and `trainer_state` (its `global_step`:
+the optimizer steps done). A function without **kwargs receives the keywords it names (TRL
+would fail on the others); one whose first two parameters are not named prompts / completions
+receives those two by position. A score may be None, a completion the function does not score
+(TRL's convention): the weighted sum skips it; a completion no reward scores stops the run
+(TRL warns and gives it advantage 0).
+
+A reward function that raises (its file:line named), returns another number of scores than
+completions, or a score that is not a finite number stops the run with one line naming it:
+nothing is trained on it.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import os
 import sys
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -24,7 +36,14 @@ from ...errors import ConfigError, TrainingError
 from ...formatting import first_line
 from .reward_models import RewardModelScorer, reward_model_key
 
-RewardFn = Callable[[list, list], Sequence[float]]
+RewardFn = Callable[..., Sequence[Optional[float]]]
+
+
+@dataclass(frozen=True)
+class RewardState:
+    """What a reward function receives as `trainer_state` (TRL passes transformers'
+    TrainerState): `global_step`, the optimizer steps done before this one."""
+    global_step: int
 
 
 def reward_name(fn: Callable) -> str:
@@ -45,11 +64,19 @@ def load_reward(name: str) -> RewardFn:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
     try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+        found = importlib.import_module(module)
+    except ImportError as e:
         raise ConfigError(f"rl.reward_functions: cannot import {name} ({type(e).__name__}: "
                           f"{first_line(e)}); put its module on PYTHONPATH or next to the "
                           "command") from None
+    fn = getattr(found, attr, None)
+    if fn is None:
+        where = getattr(found, "__file__", None) or module
+        known = sorted(k for k, v in vars(found).items()
+                       if callable(v) and not k.startswith("_")
+                       and getattr(v, "__module__", None) == found.__name__)
+        raise ConfigError(f"rl.reward_functions: module {module} ({where}) has no {attr!r}; "
+                          f"its functions: {', '.join(known) or 'none'}")
     if not callable(fn):
         raise ConfigError(f"rl.reward_functions: {name} is not a function")
     return fn
@@ -87,40 +114,86 @@ class Rewards:
         return [short_name(n) for n in self.names] + [model_label(m) for m in self.models]
 
     def score(self, prompts: list, completions: list[str], frozen: Any = None,
-              device: Any = "cpu", amp: Any = None) -> torch.Tensor:
-        """(N, F) each reward's score of each completion (prompts: one per completion); the
-        reward models are the run's frozen models `reward_model_<i>`."""
-        columns = [self._call(name, prompts, completions) for name in self.names]
+              device: Any = "cpu", amp: Any = None, fields: Optional[list] = None,
+              step: int = 0, completion_ids: Optional[list] = None) -> torch.Tensor:
+        """(N, F) each reward's score of each completion, NaN where a function returned None
+        (prompts, `fields` (the records' other fields, a dict each) and `completion_ids`: one
+        per completion); the reward models are the run's frozen models `reward_model_<i>`."""
+        extra = _columns(fields or [{} for _ in completions])
+        extra.update({"completion_ids": completion_ids if completion_ids is not None
+                      else [[] for _ in completions], "trainer_state": RewardState(step)})
+        columns = [self._call(name, prompts, completions, extra) for name in self.names]
         for i, scorer in enumerate(self.scorers):
             columns.append(scorer.score(frozen[reward_model_key(i)], prompts, completions,
                                         device, amp or nullcontext()))
-        return torch.tensor(columns, dtype=torch.float64).T.contiguous()  # (N, F)
+        out = torch.tensor(columns, dtype=torch.float64).T.contiguous()  # (N, F)
+        unscored = torch.isnan(out).all(dim=1)  # (N,)
+        if bool(unscored.any()):
+            row = int(unscored.nonzero()[0, 0])
+            raise TrainingError(f"every reward returned None for completion {row + 1} of "
+                                f"{len(completions)} ({', '.join(self.names)}); at least one "
+                                "must score each completion")
+        return out
 
-    def _call(self, name: str, prompts: list, completions: list[str]) -> list[float]:
+    def _call(self, name: str, prompts: list, completions: list[str], extra: dict
+              ) -> list[float]:
         fn = load_reward(name)
+        args, kwargs = _arguments(fn, prompts, completions, extra)
         try:
-            scores = list(fn(prompts, completions))
+            scores = list(fn(*args, **kwargs))
         except Exception as e:
             raise TrainingError(f"reward function {name} raised {type(e).__name__}: "
-                                f"{first_line(e)}") from None
+                                f"{first_line(e)} (at {_where(e)})") from None
         if len(scores) != len(completions):
             raise TrainingError(f"reward function {name} returned {len(scores)} scores for "
                                 f"{len(completions)} completions; return one float each")
         try:
-            values = [float(s) for s in scores]
+            values = [math.nan if s is None else float(s) for s in scores]
         except (TypeError, ValueError):
-            bad = next(s for s in scores if not _is_number(s))
+            bad = next(s for s in scores if s is not None and not _is_number(s))
             raise TrainingError(f"reward function {name} returned {bad!r}, not a number; return "
-                                "one float per completion") from None
-        if not all(math.isfinite(v) for v in values):
-            bad = next(v for v in values if not math.isfinite(v))
-            raise TrainingError(f"reward function {name} returned {bad} for a completion; "
-                                "rewards must be finite numbers (nothing was trained on it)")
+                                "one float (or None) per completion") from None
+        bad_values = [v for v, s in zip(values, scores) if s is not None and not math.isfinite(v)]
+        if bad_values:
+            raise TrainingError(f"reward function {name} returned {bad_values[0]} for a "
+                                "completion; rewards must be finite numbers (nothing was "
+                                "trained on it)")
         return values
 
     def total(self, per_function: torch.Tensor) -> torch.Tensor:
-        """(N, F) -> (N,) the weighted sum."""
-        return per_function @ torch.tensor(self.weights, dtype=per_function.dtype)
+        """(N, F) -> (N,) the weighted sum of the scores given (None's NaN skipped: TRL's
+        nansum)."""
+        return per_function.nan_to_num(0.0) @ torch.tensor(self.weights,
+                                                            dtype=per_function.dtype)
+
+
+def _columns(fields: list) -> dict:
+    """The records' other fields as keyword lists aligned with the completions (TRL's
+    reward_kwargs); a field a record lacks is None there."""
+    keys = list(dict.fromkeys(k for f in fields for k in f))
+    return {k: [f.get(k) for f in fields] for k in keys}
+
+
+def _arguments(fn: Callable, prompts: list, completions: list, extra: dict
+               ) -> tuple[tuple, dict]:
+    """(args, kwargs) to call `fn` with (module docstring): all of it for **kwargs, else the
+    keywords it names."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: the two lists by position
+        return (prompts, completions), {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return (), {"prompts": prompts, "completions": completions, **extra}
+    named = {k: v for k, v in extra.items() if k in params}
+    if "prompts" in params and "completions" in params:
+        return (), {"prompts": prompts, "completions": completions, **named}
+    return (prompts, completions), named
+
+
+def _where(e: BaseException) -> str:
+    """file:line of the innermost frame the exception passed (the reward function's line)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown place"
 
 
 def model_label(folder: str) -> str:
@@ -134,20 +207,3 @@ def _is_number(x: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
-
-
-def group_advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
-    """(N,) rewards of N/group prompts' completions (a prompt's `group` rows together) ->
-    (N,) advantages: each reward less its group's mean, divided by the group's std ("group"),
-    the batch's ("batch") or not at all ("none"), + 1e-4; as TRL 1.16 GRPOTrainer
-    (_generate_and_score_completions, sum_then_normalize). The std is unbiased (TRL's nanstd).
-    "batch" here is the rank's batch (TRL: the generation batch over all processes)."""
-    grouped = rewards.view(-1, group)  # (B, G)
-    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # (N,)
-    if scale == "group":
-        std = grouped.std(dim=1).repeat_interleave(group)  # (N,)
-    elif scale == "batch":
-        std = rewards.std().expand_as(rewards)  # (N,)
-    else:
-        return advantages
-    return advantages / (std + 1e-4)

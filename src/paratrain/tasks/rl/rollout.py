@@ -26,15 +26,19 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Sampling:
-    """How completions are sampled: rl.temperature, top_p, top_k, max_new_tokens."""
+    """How completions are sampled: rl.temperature, top_p, top_k, min_p, repetition_penalty,
+    max_new_tokens (TRL's names and defaults)."""
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: Optional[float] = None
+    repetition_penalty: float = 1.0
 
     @classmethod
     def of(cls, rl: object) -> "Sampling":
-        return cls(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k)  # type: ignore
+        return cls(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k,  # type: ignore
+                   rl.min_p, rl.repetition_penalty)  # type: ignore
 
 
 def prompt_generator(seed: int, step: int, index: int) -> torch.Generator:
@@ -83,6 +87,7 @@ def _sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     N, dev = ids.shape[0], ids.device
     pos = positions(mask)  # (N, P)
     done = torch.zeros(N, dtype=torch.bool, device=dev)  # (N,)
+    seen = _seen(ids, mask, how)  # (N, V) or None: the tokens repetition_penalty penalises
     out: list[torch.Tensor] = []
     cache: dict = {}  # the KV cache, under the name this transformers takes it back by
     step_ids = ids
@@ -92,8 +97,13 @@ def _sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
                       **cache)
         cache = _kv_cache(o)
         u = torch.cat([torch.rand(group, generator=g) for g in generators]).to(dev)  # (N,)
-        token = next_tokens(o.logits[:, -1, :].float(), u, how)  # (N,)
+        logits = o.logits[:, -1, :].float()  # (N, V)
+        if seen is not None and seen.size(1) < logits.size(1):
+            seen = F.pad(seen, (0, logits.size(1) - seen.size(1)))
+        token = next_tokens(logits, u, how, seen)  # (N,)
         token = token.masked_fill(done, pad_id)
+        if seen is not None:
+            seen[torch.arange(N, device=dev), token] = True
         out.append(token)
         done = done | (token == eos_id)
         if all_done(bool(done.all())):
@@ -120,9 +130,25 @@ def completion_mask(completion: torch.Tensor, eos_id: int) -> torch.Tensor:
     return (~after).long()
 
 
-def next_tokens(logits: torch.Tensor, u: torch.Tensor, how: Sampling) -> torch.Tensor:
-    """(N, V) logits and (N,) uniforms in [0, 1) -> (N,) tokens: temperature, then top-k, then
-    top-p (nucleus), as transformers orders its warpers; drawn by the inverse CDF."""
+def _seen(ids: torch.Tensor, mask: torch.Tensor, how: Sampling) -> Optional[torch.Tensor]:
+    """(N, P) prompt ids and mask -> (N, max id + 1) which tokens each row holds (its real
+    tokens only: a pad is not penalised, so a row's sampling does not depend on its batch);
+    None when rl.repetition_penalty is 1 (off). Widened to the vocabulary at the first step."""
+    if how.repetition_penalty == 1.0:
+        return None
+    seen = torch.zeros(ids.size(0), int(ids.max()) + 1, dtype=torch.bool, device=ids.device)
+    return seen.scatter_(1, ids, mask.bool())  # pads scatter False: left as they are
+
+
+def token_probs(logits: torch.Tensor, how: Sampling,
+                seen: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(N, V) logits -> (N, V) the distribution sampled from, as transformers orders its
+    processors: repetition penalty (on `seen`, (N, V) bool), temperature, top-k, top-p (nucleus),
+    min-p."""
+    if seen is not None:
+        penalised = torch.where(logits < 0, logits * how.repetition_penalty,
+                                logits / how.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
     logits = logits / how.temperature
     if how.top_k:
         kth = torch.topk(logits, min(how.top_k, logits.size(-1))).values[:, -1:]  # (N, 1)
@@ -132,6 +158,17 @@ def next_tokens(logits: torch.Tensor, u: torch.Tensor, how: Sampling) -> torch.T
         sorted_p, order = probs.sort(dim=-1, descending=True)  # (N, V)
         drop = sorted_p.cumsum(-1) - sorted_p >= how.top_p  # the mass before it reaches top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    if how.min_p:
+        live = probs / probs.sum(-1, keepdim=True)  # (N, V) renormalised after top-p
+        probs = probs.masked_fill(live < how.min_p * live.max(-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def next_tokens(logits: torch.Tensor, u: torch.Tensor, how: Sampling,
+                seen: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(N, V) logits and (N,) uniforms in [0, 1) -> (N,) tokens of `token_probs`, drawn by the
+    inverse CDF."""
+    probs = token_probs(logits, how, seen)  # (N, V)
     cdf = probs.cumsum(-1)  # (N, V)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # (N, 1)
     return pick.clamp(max=probs.size(-1) - 1)[:, 0]
