@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from ..config.hub import resolve_folder
 from ..config.tree import TrainConfig
 from ..data.tokenizer import TOKENIZER_FILES
 from ..errors import CheckpointError, ConfigError
@@ -62,6 +63,8 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
         raise CheckpointError(f"snapshot {redact_url(url)!r} records no config; it cannot be "
                               "exported")
     base = model_path or (config.get("model") or {}).get("path")
+    # a Hub id (--model-path org/name) or a cache snapshot from another machine: the local folder
+    base = resolve_folder(base, None, "--model-path" if model_path else "model.path")
     _check_base(url, base, given=model_path is not None)
     _check_out(out, base, overwrite)
     store, _ = split(url)

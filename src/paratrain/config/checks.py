@@ -18,7 +18,7 @@ from ..formatting import count_of, one_of
 from . import registry
 from .defaults import resolve_tokenizer
 from .finetune_checks import check_data_format, check_hf_corpus_tokenizer
-from .model_folder import check_weights, model_config
+from .model_folder import check_remote_code, check_weights, model_config
 from .presets import ARCHS, resolve_model_config
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
@@ -128,9 +128,10 @@ def validate(cfg: Any) -> None:
         if not p or not (Path(p).expanduser() / "config.json").is_file() \
                 and not Path(p).expanduser().is_file():
             raise ConfigError(f"model.arch=hf needs model.path, a local directory with a "
-                              f"config.json (got {p!r}); nothing is downloaded")
+                              f"config.json or a Hub id as org/name (got {p!r})")
         if Path(p).expanduser().is_dir():
             check_weights(p)
+        check_remote_code(cfg)
         if not spec.pretrained:
             check_hf_corpus_tokenizer(cfg)
         _check_pipeline(cfg, spec, None)

@@ -60,7 +60,15 @@ class ModelConfig:
     fits; `pip install 'paratrain[hf]'`)."""
     path: Optional[str] = None
     """model.arch=hf: a folder with config.json (and usually weights and a tokenizer), as
-    `save_pretrained` writes it; nothing is downloaded."""
+    `save_pretrained` writes it, or a Hugging Face Hub id (org/name): read from huggingface_hub's
+    cache (HF_HUB_CACHE), downloaded into it once when missing unless HF_HUB_OFFLINE=1; the
+    config then holds the snapshot folder, whose path names the id and the commit."""
+    revision: Optional[str] = None
+    """model.path as a Hub id: the branch, tag or commit to read (null: main); once resolved, the
+    commit it stood for (config.yaml records it, so a run is reproducible)."""
+    trust_remote_code: bool = False
+    """Allow a model whose config.json names its own Python code (auto_map) to run that code;
+    refused otherwise, since it runs with your rights."""
     preset: Optional[str] = "small"
     """A shape that fills the unset sizes below: tiny, small (~6.5M), medium (~16M), base
     (~125M), large (~350M), llama3-8b, llama3-70b, llama3-405b (Llama 3's published shapes)."""

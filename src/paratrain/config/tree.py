@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from ..formatting import first_line
 from ..redact import redact_secrets
 from .checks import validate
+from .model_folder import resolve_models
 from .defaults import default_run_name, resolve_max_length, resolve_tokenizer
 from .docs import suggest_key, unknown_key_message
 from .registry import TaskSpec, for_config
@@ -108,6 +109,7 @@ class TrainConfig:
         assert isinstance(cfg, TrainConfig)
         if cfg.run.name is None:  # decided here, once: config.yaml shows it
             cfg.run.name = default_run_name(cfg)
+        resolve_models(cfg)  # Hub ids -> cached snapshot folders, once, before the checks
         validate(cfg)
         return cfg
 

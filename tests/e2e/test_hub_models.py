@@ -1,0 +1,120 @@
+"""model.path=org/name, offline: a tiny Llama put into a huggingface_hub cache laid out as `hf
+download` leaves it (tests/_hub.py), HF_HUB_OFFLINE=1. A full fine-tune (a real CLI process, a
+fake HF_TOKEN in its environment that no file or line of the run shows), LoRA, DPO and GRPO each
+train 2 steps from the id; the summary and config.yaml name the commit; `checkpoint export` of a
+LoRA snapshot (merged, base given as the id) loads in plain transformers; `generate org/name`
+reads the cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests._hub import COMMIT, offline_env, put_in_hub_cache
+from tests.conftest import cli_run, read_summary, run_cli
+
+pytest.importorskip("transformers")
+pytest.importorskip("huggingface_hub")
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+HUB_ID = "tiny-org/tiny-llama"
+FAKE_TOKEN = "hf_FAKEtoken0123456789abcdefghijklmnop"
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory, pairs_llama) -> Path:
+    """The hub cache, with pairs_llama as HUB_ID at COMMIT (refs/main)."""
+    cache = tmp_path_factory.mktemp("hf-hub")
+    put_in_hub_cache(pairs_llama, cache, HUB_ID)
+    return cache
+
+
+@pytest.fixture
+def offline(hub, monkeypatch) -> Path:
+    """This process reads `hub` offline (for the in-process CLI runs)."""
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for k, v in offline_env(hub).items():
+        monkeypatch.setenv(k, v)
+    return hub
+
+
+def _args(tmp: Path, run: str, data: dict, **extra) -> list[str]:
+    base = {"model.arch": "hf", "model.path": HUB_ID, "data.max_length": 64,
+            "trainer.devices": "cpu:1", "trainer.batch_size": 2, "trainer.max_steps": 2,
+            "trainer.log_every": 1, "trainer.eval_every": 1000, "trainer.progress_bar": False,
+            "log.report": False, "log.tensorboard": False, "distributed.timeout_s": 60,
+            "run.dir": tmp / run, **data, **extra}
+    return ["train"] + [f"{k}={v}" for k, v in base.items()]
+
+
+def _pairs(tmp: Path) -> dict:
+    from tests.e2e._tiny_model import make_pairs, write_jsonl
+    return {"data.format": "pairs", "data.source": write_jsonl(tmp / "pairs.jsonl", make_pairs(8))}
+
+
+def _hub_record(run_dir: Path) -> None:
+    assert read_summary(run_dir)["hub_model"] == {"id": HUB_ID, "revision": COMMIT}
+    recorded = (run_dir / "config.yaml").read_text()
+    assert f"revision: {COMMIT}" in recorded and f"models--tiny-org--tiny-llama/snapshots/" \
+        f"{COMMIT}" in recorded
+
+
+def test_a_full_fine_tune_from_an_id_offline_never_shows_the_token(tmp_path, hub):
+    """A real process: HF_HUB_OFFLINE=1, HF_TOKEN set; the run names the commit, and the token
+    is in no line it printed and no file it wrote."""
+    r = run_cli(_args(tmp_path, "sft", _pairs(tmp_path)), cwd=tmp_path,
+                env=offline_env(hub, HF_TOKEN=FAKE_TOKEN), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _hub_record(tmp_path / "sft")
+    assert FAKE_TOKEN not in r.stdout + r.stderr
+    for f in (tmp_path / "sft").rglob("*"):
+        assert not f.is_file() or FAKE_TOKEN.encode() not in f.read_bytes(), f
+    shown = run_cli(["config", "show", "model.arch=hf", f"model.path={HUB_ID}", "data.format=pairs",
+                     f"data.source={tmp_path / 'pairs.jsonl'}"], cwd=tmp_path,
+                    env=offline_env(hub, HF_TOKEN=FAKE_TOKEN), timeout=120)
+    assert shown.returncode == 0 and COMMIT in shown.stdout, shown.stderr[-2000:]
+    assert FAKE_TOKEN not in shown.stdout + shown.stderr
+
+
+def test_lora_then_its_export_with_the_base_as_an_id(capsys, tmp_path, offline):
+    import transformers
+    r = cli_run(capsys, _args(tmp_path, "lora", _pairs(tmp_path), **{
+        "model.lora.r": 4, "checkpoint.every_steps": 1}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    _hub_record(tmp_path / "lora")
+    snapshot = sorted((tmp_path / "lora" / "checkpoints").glob("step-*"))[-1]
+    out = tmp_path / "merged"
+    e = cli_run(capsys, ["checkpoint", "export", snapshot, out, "--merge", "--model-path", HUB_ID])
+    assert e.returncode == 0, e.stderr[-3000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert model.config.model_type == "llama"
+
+
+def test_dpo_and_grpo_from_an_id(capsys, tmp_path, offline):
+    from tests.e2e._preference_data import preference_rows
+    from tests.e2e._tiny_model import write_jsonl
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(8, 0))
+    r = cli_run(capsys, _args(tmp_path, "dpo", {"data.format": "preference",
+                                                "data.source": prefs}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    _hub_record(tmp_path / "dpo")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl",
+                          [{"prompt": f"def function_{i}("} for i in range(8)])
+    r = cli_run(capsys, _args(tmp_path, "grpo", {
+        "data.format": "prompts", "data.source": prompts, "trainer.objective": "grpo",
+        "rl.reward_functions": "[tests.e2e._grpo_rewards:digits]", "rl.num_generations": 2,
+        "rl.max_new_tokens": 4, "trainer.global_batch_size": 2}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    _hub_record(tmp_path / "grpo")
+    g = cli_run(capsys, ["generate", HUB_ID, "--prompt", "def ", "--max-new-tokens", "3"])
+    assert g.returncode == 0, g.stderr[-3000:]
+
+
+def test_a_missing_id_is_one_line(capsys, tmp_path, offline):
+    from tests.conftest import cli_error
+    line = cli_error(capsys, _args(tmp_path, "x", _pairs(tmp_path), **{
+        "model.path": "tiny-org/absent"}))
+    assert "tiny-org/absent" in line and str(offline) in line and "HF_HUB_OFFLINE=1" in line
