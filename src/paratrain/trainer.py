@@ -189,6 +189,8 @@ class Trainer:
                             loss_fn=u.loss_fn, collate_fn=u.collate_fn)
         elif self.given is not None and not isinstance(self.given, TaskRecords):
             check_picklable(task=self.given)
+        if cfg.format_line:  # what data.format=auto chose, from which fields
+            log(DistEnv(), cfg.format_line)
         if d.node_rank == 0:  # only node 0 writes outputs
             note = check_run_dir(cfg)
             if note:

@@ -17,6 +17,7 @@ from ..errors import ConfigError, check_choice
 from ..formatting import count_of, one_of
 from . import registry
 from .defaults import resolve_tokenizer
+from .formats import RECORDS
 from .finetune_checks import check_data_format, check_hf_corpus_tokenizer
 from .model_folder import check_remote_code, check_weights, model_config
 from .presets import ARCHS, resolve_model_config
@@ -56,6 +57,7 @@ def validate(cfg: Any) -> None:
     check_choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
     spec = cfg.task  # decided once; an unknown name lists the registered ones
     check_choice("data.padded_overflow", cfg.data.padded_overflow, ("truncate", "split"))
+    check_choice("data.records", cfg.data.records, RECORDS)
     check_data_format(cfg, spec)
     check_choice("distributed.backend", cfg.distributed.backend, BACKENDS)
     check_choice("distributed.rdzv", cfg.distributed.rdzv, ("static", "c10d"))

@@ -67,8 +67,9 @@ class ModelConfig:
     """model.path as a Hub id: the branch, tag or commit to read (null: main); once resolved, the
     commit it stood for (config.yaml records it, so a run is reproducible)."""
     trust_remote_code: bool = False
-    """Allow a model whose config.json names its own Python code (auto_map) to run that code;
-    refused otherwise, since it runs with your rights."""
+    """Allow a model whose config.json names its own Python code (auto_map); refused otherwise,
+    since loading would run that code with your rights. For now only this check: the model must
+    still be one that transformers' own classes build."""
     preset: Optional[str] = "small"
     """A shape that fills the unset sizes below: tiny, small (~6.5M), medium (~16M), base
     (~125M), large (~350M), llama3-8b, llama3-70b, llama3-405b (Llama 3's published shapes)."""
@@ -126,7 +127,16 @@ class DataConfig:
     """What the data is and what is trained: packed (contiguous windows of text) | padded (one
     document per row, pads ignored by the loss) | pairs (input -> output) | chat (messages) |
     classify (text -> label) | preference (prompt, chosen, rejected: DPO or a reward model) |
-    prompts (prompts alone: online RL, trainer.objective=grpo or ppo)."""
+    prompts (prompts alone: online RL, trainer.objective=grpo or ppo) | auto: decided from the
+    fields of data.source's first records (ShareGPT, Alpaca, OpenAI / TRL conversational,
+    prompt/completion, preference and unpaired preference records; the log says what it chose).
+    """
+    records: str = "native"
+    """How the records are laid out when they are not paratrain's own fields (data.format=auto
+    sets it): native | sharegpt (conversations of {from, value}: human / gpt / system become
+    user / assistant / system) | alpaca (instruction, optional input -> output: the input after
+    the instruction, a blank line between) | prompt_completion (prompt and completion as chat
+    messages, one conversation)."""
     pack: bool = False
     """pairs / chat: several examples per row (refused for now: examples are padded to the
     longest of each micro-batch instead)."""

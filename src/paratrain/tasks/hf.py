@@ -126,6 +126,7 @@ class PretrainedTask(NoFrozenModels):
         records; the cached path splits at load time instead, with the same rows)."""
         from ..data.examples import split_validation
         from ..data.hf_tokenizer import load_tokenizer
+        from ..data.record_formats import to_native
         from ..data.rows import read_rows
         quiet_transformers()
         tokenizer, note = load_tokenizer(tokenizer_dir)
@@ -134,9 +135,9 @@ class PretrainedTask(NoFrozenModels):
         encode = cls.encoder(cfg, tokenizer, notes)
         what = ("train", "validation") if isinstance(train_src, list) else \
             ("data.source", "data.val_source")
-        train = encode(read_rows(train_src, what=what[0]), names["train"])
-        val = encode(read_rows(val_src, what=what[1]), names["val"]) \
-            if val_src is not None else None
+        rows = lambda src, w: to_native(read_rows(src, what=w), cfg.data.records, w)  # noqa: E731
+        train = encode(rows(train_src, what[0]), names["train"])
+        val = encode(rows(val_src, what[1]), names["val"]) if val_src is not None else None
         if val is None and split and cfg.data.val_fraction > 0:  # uncached: split the examples
             train, val = split_validation(train, cfg.data.val_fraction, seed=cfg.trainer.seed)
         return Encoded(cls.dataset(train), cls.dataset(val) if val else None, notes,
