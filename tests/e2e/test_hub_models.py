@@ -118,3 +118,32 @@ def test_a_missing_id_is_one_line(capsys, tmp_path, offline):
     line = cli_error(capsys, _args(tmp_path, "x", _pairs(tmp_path), **{
         "model.path": "tiny-org/absent"}))
     assert "tiny-org/absent" in line and str(offline) in line and "HF_HUB_OFFLINE=1" in line
+
+
+def test_a_hub_dataset_by_id_with_subset_and_split(capsys, tmp_path, offline, monkeypatch):
+    """hf://datasets/org/name with data.subset and a sliced data.split, read offline through
+    datasets' own loading of the cached parquet repo (prepared into HF_DATASETS_CACHE once):
+    Alpaca records recognised by data.format=auto; config.yaml pins the commit."""
+    import datasets
+
+    from tests._hub import put_dataset_in_hub_cache
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
+    rows = lambda n, s: [{"instruction": f"Repeat {s}{i}", "input": "",  # noqa: E731
+                          "output": f"{s}{i} {s}{i}"} for i in range(n)]
+    put_dataset_in_hub_cache(offline, "tiny-org/repeat", {"train": rows(20, "w"),
+                                                          "validation": rows(6, "v")},
+                             subset="plain")
+    source = "hf://datasets/tiny-org/repeat"
+    r = cli_run(capsys, _args(tmp_path, "ds", {
+        "data.format": "auto", "data.source": source, "data.val_source": source,
+        "data.subset": "plain", "data.split": "train[:50%]", "data.val_split": "validation"}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "Alpaca records" in out and "10 rows -> 10 examples" in out, out[-3000:]
+    assert "6 rows -> 6 examples" in out
+    recorded = (tmp_path / "ds" / "config.yaml").read_text()
+    assert f"source: {source}@{COMMIT}" in recorded and "format: pairs" in recorded
+    from tests.conftest import cli_error
+    line = cli_error(capsys, _args(tmp_path, "x", {"data.format": "pairs",
+                                                   "data.source": "hf://datasets/tiny-org/none"}))
+    assert "tiny-org/none" in line and "HF_HUB_OFFLINE=1" in line and "--repo-type dataset" in line

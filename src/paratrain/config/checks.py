@@ -18,6 +18,7 @@ from ..formatting import count_of, one_of
 from . import registry
 from .defaults import resolve_tokenizer
 from .formats import RECORDS
+from .hub import is_hub_dataset
 from .finetune_checks import check_data_format, check_hf_corpus_tokenizer
 from .model_folder import check_remote_code, check_weights, model_config
 from .presets import ARCHS, resolve_model_config
@@ -59,6 +60,10 @@ def validate(cfg: Any) -> None:
     check_choice("data.padded_overflow", cfg.data.padded_overflow, ("truncate", "split"))
     check_choice("data.records", cfg.data.records, RECORDS)
     check_data_format(cfg, spec)
+    if is_hub_dataset(cfg.data.source) and not spec.pretrained:
+        raise ConfigError(f"data.source={cfg.data.source!r}: Hub datasets are read for the "
+                          f"fine-tuning formats; for a corpus (data.format={cfg.data.format}) "
+                          "save it with datasets' save_to_disk and pass that folder")
     check_choice("distributed.backend", cfg.distributed.backend, BACKENDS)
     check_choice("distributed.rdzv", cfg.distributed.rdzv, ("static", "c10d"))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from .hub import is_hub_dataset, load_hub_dataset
 
 PEEK = 5  # records read to decide
 RECORDS = ("native", "sharegpt", "alpaca", "prompt_completion")  # data.records' values
@@ -94,7 +95,7 @@ def resolve_format(cfg: Any) -> Optional[str]:
     d = cfg.data
     if d.format != "auto":
         return None
-    chosen = detect(first_records(d.source), repr(str(d.source)))
+    chosen = detect(first_records(d.source, d.subset, d.split), repr(str(d.source)))
     d.format, d.records = chosen.format, chosen.records
     for key, value in chosen.keys.items():
         setattr(d, key, value)
@@ -104,8 +105,13 @@ def resolve_format(cfg: Any) -> Optional[str]:
             f"the first records of {d.source}) -> {chosen.settle()}")
 
 
-def first_records(source: Any) -> list[dict]:
-    """Up to PEEK records from the start of a .jsonl / .json / .parquet file, torch-free."""
+def first_records(source: Any, subset: Optional[str] = None, split: str = "train"
+                  ) -> list[dict]:
+    """Up to PEEK records from the start of a .jsonl / .json / .parquet file or a Hub
+    dataset's split, torch-free."""
+    if is_hub_dataset(source):
+        dataset = load_hub_dataset(source, subset, split, "data.source")
+        return [dict(r) for r in dataset.select(range(min(PEEK, len(dataset))))]
     path = Path(str(source)).expanduser()
     name = path.name.lower()
     if not path.is_file():

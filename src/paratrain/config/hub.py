@@ -91,7 +91,7 @@ def resolve_folder(path: Optional[str], revision: Optional[str] = None,
     return text
 
 
-def _snapshot(repo_id: str, revision: Optional[str], key: str) -> str:
+def _snapshot(repo_id: str, revision: Optional[str], key: str, repo_type: str = "model") -> str:
     """The cached snapshot folder of repo_id at revision, downloaded first when allowed."""
     try:
         from huggingface_hub import constants, snapshot_download
@@ -100,18 +100,22 @@ def _snapshot(repo_id: str, revision: Optional[str], key: str) -> str:
         raise ConfigError(f"{key}={repo_id!r} is a Hugging Face Hub id, read through "
                           "huggingface_hub: pip install 'paratrain[hf]'") from None
     cache = Path(constants.HF_HUB_CACHE)
-    folder = _cached_commit(cache, repo_id, revision)
+    folder = _cached_commit(cache, repo_id, revision, repo_type)
     if folder is not None:  # an exact commit already cached: no request at all
         return folder
     where = f"{repo_id}@{revision}" if revision else repo_id
+    flag = " --repo-type dataset" if repo_type == "dataset" else ""
     try:
-        return str(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS))
+        return str(snapshot_download(repo_id, revision=revision, repo_type=repo_type,
+                                     allow_patterns=ALLOW_PATTERNS if repo_type == "model"
+                                     else None))
     except LocalEntryNotFoundError:
         why = ("HF_HUB_OFFLINE=1 is set, so nothing is downloaded" if constants.HF_HUB_OFFLINE
                else "the Hub cannot be reached")
         raise ConfigError(
             f"{key}={where!r} is not in the Hugging Face cache ({cache}) and {why}: download it "
-            f"once with network (`hf download {repo_id}`, or a run without HF_HUB_OFFLINE=1), "
+            f"once with network (`hf download {repo_id}{flag}`, or a run without "
+            "HF_HUB_OFFLINE=1), "
             "point HF_HUB_CACHE at a cache that holds it, or give a local folder") from None
     except HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
@@ -124,14 +128,71 @@ def _snapshot(repo_id: str, revision: Optional[str], key: str) -> str:
                           f"({cache}): {type(e).__name__}") from None
 
 
-def _cached_commit(cache: Path, repo_id: str, revision: Optional[str]) -> Optional[str]:
+def _cached_commit(cache: Path, repo_id: str, revision: Optional[str],
+                   repo_type: str = "model") -> Optional[str]:
     """The snapshot folder of an exact commit (or of a ref the cache already resolved, when the
     Hub is not to be asked) that is already in the cache, else None."""
     from huggingface_hub import constants
-    storage = cache / ("models--" + repo_id.replace("/", "--"))
+    storage = cache / (f"{repo_type}s--" + repo_id.replace("/", "--"))
     commit = revision if revision and _COMMIT.match(revision) else None
     if commit is None and constants.HF_HUB_OFFLINE:
         ref = storage / "refs" / (revision or "main")
         commit = ref.read_text().strip() if ref.is_file() else None
     folder = storage / "snapshots" / commit if commit else None
     return str(folder) if folder is not None and folder.is_dir() else None
+
+
+# A Hub dataset as data.source names it: hf://datasets/org/name, optionally @revision.
+_DATASET = re.compile(r"^hf://datasets/(?P<id>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?/?$")
+
+
+def is_hub_dataset(source: object) -> bool:
+    return isinstance(source, str) and source.startswith("hf://datasets/")
+
+
+def pin_dataset(source: str, key: str = "data.source") -> str:
+    """hf://datasets/org/name[@rev] -> hf://datasets/org/name@<commit>, its files in
+    huggingface_hub's cache (downloaded once when allowed; HF_HUB_OFFLINE=1: read from the
+    cache), decided once when the config is built; one ConfigError line when neither works."""
+    m = _DATASET.match(source)
+    if not m:
+        raise ConfigError(f"{key}={source!r} is not a Hub dataset as hf://datasets/org/name "
+                          "(optionally @revision)")
+    folder = _snapshot(m["id"], m["rev"], key, repo_type="dataset")
+    return f"hf://datasets/{m['id']}@{Path(folder).name}"
+
+
+def dataset_folder(source: str, key: str = "data.source") -> str:
+    """The local snapshot folder of a Hub dataset (pinned by `pin_dataset`: no request)."""
+    m = _DATASET.match(source)
+    if not m:
+        raise ConfigError(f"{key}={source!r} is not a Hub dataset as hf://datasets/org/name")
+    return _snapshot(m["id"], m["rev"], key, repo_type="dataset")
+
+
+def pin_sources(cfg: object) -> None:
+    """data.source and data.val_source as Hub datasets pinned to the commit they resolve to."""
+    d = cfg.data  # type: ignore[attr-defined]
+    if is_hub_dataset(d.source):
+        d.source = pin_dataset(d.source, "data.source")
+    if is_hub_dataset(d.val_source):
+        d.val_source = pin_dataset(d.val_source, "data.val_source")
+
+
+def load_hub_dataset(source: str, subset: Optional[str], split: str, key: str) -> object:
+    """The `datasets.Dataset` of a Hub dataset's split (slicing as datasets takes it), loaded by
+    `datasets.load_dataset` from its snapshot folder: prepared once into datasets' cache
+    (HF_DATASETS_CACHE), then memory-mapped from there."""
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{key}={source!r} is read with the datasets package: pip install "
+                          "'paratrain[hf]'") from None
+    folder = dataset_folder(source, key)
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(folder, subset, split=split)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        from ..formatting import first_line
+        raise ConfigError(f"{key}={source!r} with data.subset={subset!r} and split {split!r} "
+                          f"cannot be loaded: {first_line(e)[:300]}") from None

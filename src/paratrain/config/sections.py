@@ -109,7 +109,9 @@ class DataConfig:
     """What is read, how it is tokenized, and how it becomes rows and batches."""
     source: str = "stdlib"
     """stdlib (the Python standard library's source files) | a text file | a directory | a glob
-    ('data/*.txt') | a .jsonl / .parquet / .csv file | a `datasets.save_to_disk` folder | a
+    ('data/*.txt') | a .jsonl / .parquet / .csv file | a `datasets.save_to_disk` folder |
+    fine-tuning formats: a Hub dataset hf://datasets/org/name[@revision] (data.subset,
+    data.split), read through huggingface_hub's and datasets' caches (offline: HF_HUB_OFFLINE=1) | a
     folder of token ids (.bin) with a meta.json: {"vocab_size": N, "eos_id": E}."""
     text_field: str = "text"
     """The field holding the text: .jsonl / .parquet / save_to_disk corpora, and the text to
@@ -158,8 +160,15 @@ class DataConfig:
     margin_field: Optional[str] = None
     """preference: a field with each pair's margin (reward models); null: none."""
     val_source: Optional[str] = None
-    """pairs / chat / classify / preference: a validation file; null: data.val_fraction of the
-    records is held out."""
+    """pairs / chat / classify / preference: a validation file (or Hub dataset, as data.source);
+    null: data.val_fraction of the records is held out."""
+    subset: Optional[str] = None
+    """data.source / data.val_source as a Hub dataset (hf://datasets/org/name[@revision]): its
+    configuration (the `name` of datasets.load_dataset); null: its default."""
+    split: str = "train"
+    """A Hub dataset's split for training, with datasets' slicing (train[:10%], train[100:])."""
+    val_split: str = "validation"
+    """A Hub dataset's split for validation (data.val_source=hf://...)."""
     max_length: Optional[int] = None
     """pairs / chat / classify / preference: tokens per example (pairs lose the start of the
     input); null: the model's max_position_embeddings."""

@@ -22,6 +22,7 @@ from ..formatting import first_line
 from ..redact import redact_secrets
 from .checks import validate
 from .formats import resolve_format
+from .hub import pin_sources
 from .model_folder import resolve_models
 from .defaults import default_run_name, resolve_max_length, resolve_tokenizer
 from .docs import suggest_key, unknown_key_message
@@ -112,6 +113,7 @@ class TrainConfig:
             raise ConfigError(_omegaconf_message(e)) from None
         cfg = OmegaConf.to_object(merged)
         assert isinstance(cfg, TrainConfig)
+        pin_sources(cfg)  # Hub datasets pinned to their commit, once, from the cache
         cfg.format_line = resolve_format(cfg)  # data.format=auto decided once, from the records
         if cfg.run.name is None:  # decided here, once: config.yaml shows it
             cfg.run.name = default_run_name(cfg)

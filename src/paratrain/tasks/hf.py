@@ -135,9 +135,12 @@ class PretrainedTask(NoFrozenModels):
         encode = cls.encoder(cfg, tokenizer, notes)
         what = ("train", "validation") if isinstance(train_src, list) else \
             ("data.source", "data.val_source")
-        rows = lambda src, w: to_native(read_rows(src, what=w), cfg.data.records, w)  # noqa: E731
-        train = encode(rows(train_src, what[0]), names["train"])
-        val = encode(rows(val_src, what[1]), names["val"]) if val_src is not None else None
+        d = cfg.data
+        rows = lambda src, w, split: to_native(  # noqa: E731
+            read_rows(src, what=w, subset=d.subset, split=split), d.records, w)
+        train = encode(rows(train_src, what[0], d.split), names["train"])
+        val = encode(rows(val_src, what[1], d.val_split), names["val"]) \
+            if val_src is not None else None
         if val is None and split and cfg.data.val_fraction > 0:  # uncached: split the examples
             train, val = split_validation(train, cfg.data.val_fraction, seed=cfg.trainer.seed)
         return Encoded(cls.dataset(train), cls.dataset(val) if val else None, notes,
