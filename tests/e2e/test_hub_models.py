@@ -147,3 +147,29 @@ def test_a_hub_dataset_by_id_with_subset_and_split(capsys, tmp_path, offline, mo
     line = cli_error(capsys, _args(tmp_path, "x", {"data.format": "pairs",
                                                    "data.source": "hf://datasets/tiny-org/none"}))
     assert "tiny-org/none" in line and "HF_HUB_OFFLINE=1" in line and "--repo-type dataset" in line
+
+
+def test_the_guides_offline_command_runs_as_printed(tmp_path, pairs_llama):
+    """docs/guides/fine-tuning.md's offline block, as printed (HF_HUB_OFFLINE=1 included), in a
+    folder holding alpaca.jsonl, with a cache holding the tiny Llama under the id it names."""
+    from tests.e2e._doc_blocks import doc_blocks
+    from tests.e2e._tiny_model import make_pairs, write_jsonl
+    mine = [b for b in doc_blocks() if b.marker == "run by"
+            and b.reason.startswith("tests/e2e/test_hub_models.py")]
+    assert len(mine) == 1 and len(mine[0].commands()) == 1, mine
+    args = mine[0].commands()[0]
+    env = {}
+    while "=" in args[0]:  # VAR=value before the command
+        key, value = args.pop(0).split("=", 1)
+        env[key] = value
+    assert env == {"HF_HUB_OFFLINE": "1"} and args[:2] == ["paratrain", "train"], args
+    repo_id = next(a.split("=", 1)[1] for a in args if a.startswith("model.path="))
+    cache = tmp_path / "hub"
+    put_in_hub_cache(pairs_llama, cache, repo_id)
+    write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": r["input"], "input": "",
+                                             "output": r["output"]} for r in make_pairs(64)])
+    r = run_cli(args[1:], cwd=tmp_path, env={**env, "HF_HUB_CACHE": str(cache)}, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "data.format=auto: Alpaca records" in r.stdout + r.stderr
+    run_dir = tmp_path / "runs" / f"{repo_id.split('/')[1]}-pairs-lora"
+    assert read_summary(run_dir)["hub_model"] == {"id": repo_id, "revision": COMMIT}

@@ -72,8 +72,10 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
         # the tokenizer the run trained with, as the snapshot carries it (model.path's may differ)
         carried = [n for n in TOKENIZER_FILES if store.get_file(url, n, Path(tok) / n)]
         data = dict(config.get("data") or {}, **({"tokenizer": tok} if carried else {}))
-        cfg = TrainConfig.from_dict({**config, "model": {**config["model"], "path": str(base)},
-                                     "data": data})
+        # the snapshot holds the adapters alone: a quantized run's base is rebuilt in full
+        # precision, so that the merge is onto the weights model.path holds
+        cfg = TrainConfig.from_dict({**config, "model": {**config["model"], "path": str(base),
+                                                         "quantize": None}, "data": data})
         if merge and not cfg.model.lora.r:
             raise ConfigError(f"--merge applies to LoRA snapshots; {redact_url(url)} is a full "
                               "fine-tune, whose export is the whole model already (leave --merge "

@@ -102,6 +102,12 @@ class ModelConfig:
     nn.Linear / nn.Embedding gets)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters on an hf model instead of training every weight."""
+    quantize: Optional[str] = None
+    """null | nf4 (QLoRA: the frozen base's linear layers in 4-bit NormalFloat, about a quarter
+    of their bf16 memory) | int8: through bitsandbytes (`pip install bitsandbytes`; its CPU
+    backend too), with LoRA adapters (model.lora.r) trained in full precision on pairs / chat;
+    DDP or one device (FSDP2 cannot shard bitsandbytes' packed weights); the merged model/ is
+    merged onto the full-precision base."""
 
 
 @dataclass

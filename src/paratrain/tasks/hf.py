@@ -223,6 +223,16 @@ class PretrainedTask(NoFrozenModels):
             model.get_input_embeddings().register_forward_hook(partial(neftune_noise, alpha))
         return model
 
+    def full_precision_model(self) -> nn.Module:
+        """A quantized run's model with its base in full precision, as model.path holds it: what
+        its trained adapters are merged onto for model/ (a merge onto 4-bit weights would
+        round the sum to 4 bits again)."""
+        from ..models.hf import HFArgs, build_hf
+        from .lora import apply_lora
+        base = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer),
+                               auto_class=self.auto_class))
+        return apply_lora(base, self.cfg.model.lora, task_type=self.lora_task_type)
+
     def describe(self, n_params: int) -> str:
         return (f"model hf ({self.cfg.model.path}): {human_count(n_params)} parameters; "
                 f"tokenizer {self.tokenizer_dir} ({len(self.tokenizer)} tokens)")
@@ -251,8 +261,13 @@ class PretrainedTask(NoFrozenModels):
         adapter alone in adapter/ next to it."""
         if self.lora:
             from .lora import ADAPTER_DIR
-            fresh = self.build_model()  # a CPU PeftModel of the same shape, to hold the state
-            fresh.load_state_dict(state)
+            if self.cfg.model.quantize:  # the adapters merged onto the full-precision base
+                fresh = self.full_precision_model()
+                fresh.load_state_dict({k: v for k, v in state.items() if ".lora_" in k},
+                                      strict=False)
+            else:
+                fresh = self.build_model()  # a CPU PeftModel of the same shape, for the state
+                fresh.load_state_dict(state)
             self.save_lora(fresh, merged=out_dir, adapter=out_dir.parent / ADAPTER_DIR)
             return
         with atomic_dir(out_dir) as tmp:

@@ -46,7 +46,8 @@ class CausalLMTask(TokenLoss, PretrainedTask):
 
     def load_pretrained(self) -> nn.Module:
         from ..models.hf import HFArgs, build_hf
-        model = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer)))
+        model = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer),
+                                quantize=self.cfg.model.quantize))
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         return model
