@@ -1,7 +1,7 @@
 """model.path=org/name, offline: a tiny Llama put into a huggingface_hub cache laid out as `hf
 download` leaves it (tests/_hub.py), HF_HUB_OFFLINE=1. A full fine-tune (a real CLI process, a
-fake HF_TOKEN in its environment that no file or line of the run shows), LoRA, DPO and GRPO each
-train 2 steps from the id; the summary and config.yaml name the commit; `checkpoint export` of a
+fake HF_TOKEN in its environment that no file or line of the run shows), LoRA, DPO, GRPO and an
+embedding model each train 2 steps from the id; the summary and config.yaml name the commit; `checkpoint export` of a
 LoRA snapshot (merged, base given as the id) loads in plain transformers; `generate org/name`
 reads the cache."""
 
@@ -111,6 +111,24 @@ def test_dpo_and_grpo_from_an_id(capsys, tmp_path, offline):
     _hub_record(tmp_path / "grpo")
     g = cli_run(capsys, ["generate", HUB_ID, "--prompt", "def ", "--max-new-tokens", "3"])
     assert g.returncode == 0, g.stderr[-3000:]
+    rows = [{"anchor": f"q{i}", "positive": f"a{i}"} for i in range(8)]
+    r = cli_run(capsys, _args(tmp_path, "emb", {
+        "data.format": "embedding", "data.source": write_jsonl(tmp_path / "emb.jsonl", rows),
+        "embedding.pooling": "last"}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    _hub_record(tmp_path / "emb")
+
+
+def test_reward_models_and_the_reference_by_id(tmp_path, offline):
+    """rl.reward_models and dpo.reference go through the same resolver as model.path."""
+    from paratrain.config import TrainConfig
+    from tests.e2e._tiny_model import write_jsonl
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    snapshot = str(offline / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT)
+    cfg = TrainConfig.from_yaml(None, [
+        "model.arch=hf", f"model.path={HUB_ID}", "data.format=prompts", f"data.source={prompts}",
+        "trainer.objective=grpo", f"rl.reward_models=[{HUB_ID}]", f"dpo.reference={HUB_ID}"])
+    assert cfg.rl.reward_models == [snapshot] and cfg.dpo.reference == snapshot
 
 
 def test_a_missing_id_is_one_line(capsys, tmp_path, offline):
