@@ -7,6 +7,7 @@ reads the cache."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,42 @@ def test_the_guides_offline_command_runs_as_printed(tmp_path, pairs_llama):
     assert "data.format=auto: Alpaca records" in r.stdout + r.stderr
     run_dir = tmp_path / "runs" / f"{repo_id.split('/')[1]}-pairs-lora"
     assert read_summary(run_dir)["hub_model"] == {"id": repo_id, "revision": COMMIT}
+
+
+_CONFIG_CODE = '''from transformers import LlamaConfig
+
+
+class TinyCodeConfig(LlamaConfig):
+    model_type = "tiny-code"
+'''
+_MODEL_CODE = '''from transformers import LlamaForCausalLM
+
+from .configuration_tiny import TinyCodeConfig
+
+
+class TinyCodeForCausalLM(LlamaForCausalLM):
+    config_class = TinyCodeConfig
+'''
+
+
+def test_a_model_with_its_own_code_trains_only_when_trusted(capsys, tmp_path, pairs_llama):
+    """A folder whose config.json names its own classes (auto_map): one line without
+    model.trust_remote_code=true; with it, a real process loads that code and trains."""
+    import shutil
+
+    from tests.conftest import cli_error
+    model = tmp_path / "custom"
+    shutil.copytree(pairs_llama, model)
+    (model / "configuration_tiny.py").write_text(_CONFIG_CODE)
+    (model / "modeling_tiny.py").write_text(_MODEL_CODE)
+    info = json.loads((model / "config.json").read_text())
+    info.update(model_type="tiny-code", architectures=["TinyCodeForCausalLM"], auto_map={
+        "AutoConfig": "configuration_tiny.TinyCodeConfig",
+        "AutoModelForCausalLM": "modeling_tiny.TinyCodeForCausalLM"})
+    (model / "config.json").write_text(json.dumps(info))
+    args = _args(tmp_path, "code", _pairs(tmp_path), **{"model.path": model})
+    assert "model.trust_remote_code=true" in cli_error(capsys, args)
+    r = run_cli(args + ["model.trust_remote_code=true"], cwd=tmp_path, timeout=300,
+                env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "modules").is_dir()  # transformers ran the folder's code

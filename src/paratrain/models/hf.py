@@ -26,6 +26,7 @@ class HFArgs:
     arch: str = "hf"
     auto_class: str = "AutoModelForCausalLM"  # the transformers class the task loads with
     quantize: Optional[str] = None  # model.quantize: nf4 | int8 through bitsandbytes
+    trust_remote_code: bool = False  # model.trust_remote_code: run the folder's own model code
 
     def to_dict(self) -> dict:
         return {"arch": self.arch, "path": self.path, "vocab_size": self.vocab_size}
@@ -38,7 +39,8 @@ def build_hf(args: HFArgs) -> nn.Module:
         raise ConfigError("model.arch=hf needs the transformers package: "
                           "pip install 'paratrain[hf]'") from None
     p = Path(args.path).expanduser()
-    config = transformers.AutoConfig.from_pretrained(p, local_files_only=True)
+    remote = {"trust_remote_code": True} if args.trust_remote_code else {}
+    config = transformers.AutoConfig.from_pretrained(p, local_files_only=True, **remote)
     if getattr(config, "vocab_size", args.vocab_size) < args.vocab_size:
         raise ConfigError(f"model.path={args.path!r} has vocab_size={config.vocab_size}, smaller "
                           f"than the tokenizer's {args.vocab_size}; raise it in config.json or "
@@ -46,8 +48,8 @@ def build_hf(args: HFArgs) -> nn.Module:
     auto = getattr(transformers, args.auto_class)
     if loads_weights(p):  # safetensors only: nothing from the path is unpickled
         return auto.from_pretrained(p, local_files_only=True, use_safetensors=True,
-                                    **quantized(args.quantize))
-    return auto.from_config(config)
+                                    **quantized(args.quantize), **remote)
+    return auto.from_config(config, **remote)
 
 
 def quantized(quantize: Optional[str]) -> dict:

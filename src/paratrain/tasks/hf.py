@@ -178,10 +178,12 @@ class PretrainedTask(NoFrozenModels):
         a worker starts; None when transformers cannot build it (loading then says why)."""
         import transformers
         try:
+            remote = {"trust_remote_code": True} if cfg.model.trust_remote_code else {}
             config = transformers.AutoConfig.from_pretrained(
-                Path(str(cfg.model.path)).expanduser(), local_files_only=True, **config_changes)
+                Path(str(cfg.model.path)).expanduser(), local_files_only=True, **remote,
+                **config_changes)
             with torch.device("meta"):
-                return getattr(transformers, cls.auto_class).from_config(config)
+                return getattr(transformers, cls.auto_class).from_config(config, **remote)
         except (OSError, ValueError):
             return None
 
@@ -230,7 +232,8 @@ class PretrainedTask(NoFrozenModels):
         from ..models.hf import HFArgs, build_hf
         from .lora import apply_lora
         base = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer),
-                               auto_class=self.auto_class))
+                               auto_class=self.auto_class,
+                               trust_remote_code=self.cfg.model.trust_remote_code))
         return apply_lora(base, self.cfg.model.lora, task_type=self.lora_task_type)
 
     def describe(self, n_params: int) -> str:
