@@ -355,6 +355,11 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
     train = read_rows(train_data, what="train_data")
     val = read_rows(val_data, what="val_data") if val_data is not None else None
     first = train[0] if train and isinstance(train[0], dict) else {}
+    if task is None:  # another tool's record format (ShareGPT, Alpaca, TRL's): its keys
+        from .config.formats import PEEK, matches
+        fits = matches([r for r in train[:PEEK] if isinstance(r, dict)])
+        if len(fits) == 1:
+            return TaskRecords(train, val), over + fits[0].settle().split()
     kind = task or registry.recognize(first).name
     return TaskRecords(train, val), over + [f"data.format={kind}"]
 

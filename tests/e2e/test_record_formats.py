@@ -86,3 +86,19 @@ def test_an_ambiguous_file_is_one_line_with_the_keys_that_settle_it(capsys, tmp_
     line = cli_error(capsys, ["train", "model.arch=hf", f"model.path={pairs_llama}",
                               "data.format=auto", f"data.source={unknown}"])
     assert "['answer', 'question']" in line and "Alpaca: instruction, output" in line
+
+
+def test_the_python_api_recognises_records_of_other_tools(tmp_path, pairs_llama):
+    """Trainer(model=DIR, train_data=[ShareGPT records]): trained as chat from the converted
+    records, config.yaml saying so."""
+    from paratrain import Trainer
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    make = FORMATS["sharegpt"][0]
+    result = Trainer(model=str(pairs_llama), train_data=[make(i) for i in range(1, 9)],
+                     devices="cpu:1", max_steps=1, batch_size=2, run_dir=str(tmp_path / "api"),
+                     overrides=[f"data.chat_template={template}", "data.max_length=64",
+                                "log.report=false", "log.tensorboard=false"]).fit()
+    recorded = (result.run_dir / "config.yaml").read_text()
+    assert "format: chat\n" in recorded and "records: sharegpt\n" in recorded
+    assert result.final_loss > 0

@@ -67,15 +67,21 @@ FORMATS = (
 )
 
 
+def matches(records: list[dict]) -> list[RecordFormat]:
+    """The formats whose fields every record carries, less those a more specific one beats."""
+    seen = set.intersection(*(set(r) for r in records)) if records else set()
+    chat = isinstance(records[0].get("prompt"), (list, dict)) if records else False
+    fits = [f for f in FORMATS if set(f.fields) <= seen and f.messages in (None, chat)]
+    beaten = {name for f in fits for name in f.over}
+    return [f for f in fits if f.name not in beaten]
+
+
 def detect(records: list[dict], where: str) -> RecordFormat:
     """The one format whose fields every record read carries (the most specific one), or one
     ConfigError line: none fits (the fields seen and those known), or several do (the
     candidates and the keys that choose each)."""
     seen = set.intersection(*(set(r) for r in records)) if records else set()
-    chat = isinstance(records[0].get("prompt"), (list, dict)) if records else False
-    fits = [f for f in FORMATS if set(f.fields) <= seen and f.messages in (None, chat)]
-    beaten = {name for f in fits for name in f.over}
-    fits = [f for f in fits if f.name not in beaten]
+    fits = matches(records)
     if len(fits) == 1:
         return fits[0]
     if not fits:
