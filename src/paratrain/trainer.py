@@ -329,6 +329,7 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
     """Trainer(model="DIR", ...): (the records to send to the workers, or None when they are
     read from data.source; the config overrides that say so). `task`: a registered fine-tuning
     task (data.format); None: pairs, or the task whose fields the records hold."""
+    from .config.formats import format_keys
     from .data.rows import read_rows, rows_from_lists
     tuning = registry.names(pretrained=True)
     if task is not None and task not in tuning:
@@ -355,11 +356,9 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
     train = read_rows(train_data, what="train_data")
     val = read_rows(val_data, what="val_data") if val_data is not None else None
     first = train[0] if train and isinstance(train[0], dict) else {}
-    if task is None:  # another tool's record format (ShareGPT, Alpaca, TRL's): its keys
-        from .config.formats import PEEK, matches
-        fits = matches([r for r in train[:PEEK] if isinstance(r, dict)])
-        if len(fits) == 1:
-            return TaskRecords(train, val), over + fits[0].settle().split()
+    recognised = None if task else format_keys(train)  # ShareGPT, Alpaca, TRL's: their keys
+    if recognised:
+        return TaskRecords(train, val), over + recognised
     kind = task or registry.recognize(first).name
     return TaskRecords(train, val), over + [f"data.format={kind}"]
 

@@ -76,6 +76,13 @@ def matches(records: list[dict]) -> list[RecordFormat]:
     return [f for f in fits if f.name not in beaten]
 
 
+def format_keys(records: list) -> Optional[list[str]]:
+    """The keys that train records given in Python (Trainer(train_data=[...])) when exactly one
+    format fits their first records; None otherwise (the registry's fields decide)."""
+    fits = matches([r for r in records[:PEEK] if isinstance(r, dict)])
+    return fits[0].settle().split() if len(fits) == 1 else None
+
+
 def detect(records: list[dict], where: str) -> RecordFormat:
     """The one format whose fields every record read carries (the most specific one), or one
     ConfigError line: none fits (the fields seen and those known), or several do (the
