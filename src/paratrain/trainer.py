@@ -189,6 +189,8 @@ class Trainer:
                             loss_fn=u.loss_fn, collate_fn=u.collate_fn)
         elif self.given is not None and not isinstance(self.given, TaskRecords):
             check_picklable(task=self.given)
+        if cfg.format_line:  # what data.format=auto chose, from which fields
+            log(DistEnv(), cfg.format_line)
         if d.node_rank == 0:  # only node 0 writes outputs
             note = check_run_dir(cfg)
             if note:
@@ -327,6 +329,7 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
     """Trainer(model="DIR", ...): (the records to send to the workers, or None when they are
     read from data.source; the config overrides that say so). `task`: a registered fine-tuning
     task (data.format); None: pairs, or the task whose fields the records hold."""
+    from .config.formats import format_keys
     from .data.rows import read_rows, rows_from_lists
     tuning = registry.names(pretrained=True)
     if task is not None and task not in tuning:
@@ -353,6 +356,9 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
     train = read_rows(train_data, what="train_data")
     val = read_rows(val_data, what="val_data") if val_data is not None else None
     first = train[0] if train and isinstance(train[0], dict) else {}
+    recognised = None if task else format_keys(train)  # ShareGPT, Alpaca, TRL's: their keys
+    if recognised:
+        return TaskRecords(train, val), over + recognised
     kind = task or registry.recognize(first).name
     return TaskRecords(train, val), over + [f"data.format={kind}"]
 

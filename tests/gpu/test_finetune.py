@@ -56,3 +56,25 @@ def test_dpo_in_bf16(tmp_path, llama, preference):
     margins = [m["rewards/margin"] for m in rows[-4:]]
     assert sum(margins) > 0, margins  # it comes to prefer the chosen responses
     assert read_summary(tmp_path / "run")["memory"][0]["device"] == "cuda:0"
+
+
+def test_qlora_nf4_on_the_gpu(tmp_path, llama):
+    """model.quantize=nf4 with LoRA on GPU 0 (bitsandbytes' CUDA kernels): the loss falls and
+    model/ (merged onto the full-precision base) loads in plain transformers."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    import transformers
+
+    from paratrain.data.stdlib_pairs import stdlib_pairs
+    rows = stdlib_pairs(200)
+    train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:160]))
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows[160:]))
+    r = run_cli(small_run_args(llama, train, val, tmp_path / "run", **{
+        **ON_GPU, "data.format": "pairs", "model.lora.r": 8, "model.quantize": "nf4",
+        "optim.lr": 3e-2}), cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run") if "loss" in m]
+    assert sum(losses[-3:]) < sum(losses[:3]) - 0.3, losses
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+    assert getattr(model.config, "quantization_config", None) is None

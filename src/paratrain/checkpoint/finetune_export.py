@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from ..config.hub import resolve_folder
 from ..config.tree import TrainConfig
 from ..data.tokenizer import TOKENIZER_FILES
 from ..errors import CheckpointError, ConfigError
@@ -62,6 +63,8 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
         raise CheckpointError(f"snapshot {redact_url(url)!r} records no config; it cannot be "
                               "exported")
     base = model_path or (config.get("model") or {}).get("path")
+    # a Hub id (--model-path org/name) or a cache snapshot from another machine: the local folder
+    base = resolve_folder(base, None, "--model-path" if model_path else "model.path")
     _check_base(url, base, given=model_path is not None)
     _check_out(out, base, overwrite)
     store, _ = split(url)
@@ -69,8 +72,10 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
         # the tokenizer the run trained with, as the snapshot carries it (model.path's may differ)
         carried = [n for n in TOKENIZER_FILES if store.get_file(url, n, Path(tok) / n)]
         data = dict(config.get("data") or {}, **({"tokenizer": tok} if carried else {}))
-        cfg = TrainConfig.from_dict({**config, "model": {**config["model"], "path": str(base)},
-                                     "data": data})
+        # the snapshot holds the adapters alone: a quantized run's base is rebuilt in full
+        # precision, so that the merge is onto the weights model.path holds
+        cfg = TrainConfig.from_dict({**config, "model": {**config["model"], "path": str(base),
+                                                         "quantize": None}, "data": data})
         if merge and not cfg.model.lora.r:
             raise ConfigError(f"--merge applies to LoRA snapshots; {redact_url(url)} is a full "
                               "fine-tune, whose export is the whole model already (leave --merge "

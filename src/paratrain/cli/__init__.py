@@ -73,7 +73,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from ..launch.environment import cpu_count
     from ..models.files import model_dir_of
     from ..models.generate import GenerateOptions
+    from ..config.hub import resolve_folder
     torch.set_num_threads(cpu_count())  # one per core this process may use, as training sets
+    ns.run_dir = resolve_folder(ns.run_dir, None, "RUN_DIR")  # a Hub id: its cached snapshot
     data, trainer = _run_sections(ns.run_dir)
     opts = GenerateOptions(
         run_dir=ns.run_dir, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
@@ -210,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="sample text from a trained run")
-    g.add_argument("run_dir", help="a run dir (runs/<name>) or its model/ folder")
+    g.add_argument("run_dir", help="a run dir (runs/<name>), its model/ folder, or a "
+                   "Hub id (org/name) of a causal LM, read through the Hugging Face cache")
     g.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
     g.add_argument("--max-new-tokens", type=int, default=100)
     g.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")

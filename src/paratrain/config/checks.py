@@ -17,8 +17,10 @@ from ..errors import ConfigError, check_choice
 from ..formatting import count_of, one_of
 from . import registry
 from .defaults import resolve_tokenizer
+from .formats import RECORDS
+from .hub import is_hub_dataset
 from .finetune_checks import check_data_format, check_hf_corpus_tokenizer
-from .model_folder import check_weights, model_config
+from .model_folder import check_remote_code, check_weights, model_config
 from .presets import ARCHS, resolve_model_config
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp", "dp")
@@ -56,7 +58,12 @@ def validate(cfg: Any) -> None:
     check_choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
     spec = cfg.task  # decided once; an unknown name lists the registered ones
     check_choice("data.padded_overflow", cfg.data.padded_overflow, ("truncate", "split"))
+    check_choice("data.records", cfg.data.records, RECORDS)
     check_data_format(cfg, spec)
+    if is_hub_dataset(cfg.data.source) and not spec.pretrained:
+        raise ConfigError(f"data.source={cfg.data.source!r}: Hub datasets are read for the "
+                          f"fine-tuning formats; for a corpus (data.format={cfg.data.format}) "
+                          "save it with datasets' save_to_disk and pass that folder")
     check_choice("distributed.backend", cfg.distributed.backend, BACKENDS)
     check_choice("distributed.rdzv", cfg.distributed.rdzv, ("static", "c10d"))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name):
@@ -128,9 +135,10 @@ def validate(cfg: Any) -> None:
         if not p or not (Path(p).expanduser() / "config.json").is_file() \
                 and not Path(p).expanduser().is_file():
             raise ConfigError(f"model.arch=hf needs model.path, a local directory with a "
-                              f"config.json (got {p!r}); nothing is downloaded")
+                              f"config.json or a Hub id as org/name (got {p!r})")
         if Path(p).expanduser().is_dir():
             check_weights(p)
+        check_remote_code(cfg)
         if not spec.pretrained:
             check_hf_corpus_tokenizer(cfg)
         _check_pipeline(cfg, spec, None)

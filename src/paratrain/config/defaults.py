@@ -8,11 +8,11 @@ read them from here.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 from . import registry
+from .hub import display_name
 from .model_folder import FALLBACK_MAX_LENGTH, model_positions
 
 PRETRAINING_RUN_NAME = "stdlib-llama"  # run.name of a run that fine-tunes nothing
@@ -49,8 +49,7 @@ def default_run_name(cfg: Any) -> str:
     spec = registry.get(cfg.data.format) if cfg.data.format in registry.names() else None
     if spec is None or not spec.pretrained or not cfg.model.path:
         return PRETRAINING_RUN_NAME
-    folder = Path(cfg.model.path).expanduser()
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", (folder.name or folder.resolve().name)).strip("-.")
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", display_name(cfg.model.path)).strip("-.")
     try:
         chosen = cfg.task
     except ConfigError:  # validate says why, in its own words

@@ -50,6 +50,7 @@ def check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
         for check in spec.checks:
             check(cfg)
         _check_lora(cfg.model.lora)
+        _check_quantize(cfg, spec)
         _check_max_length(cfg)
         if d.tokenizer != "auto" and not Path(d.tokenizer).expanduser().is_dir():
             raise ConfigError(f"data.tokenizer={d.tokenizer!r}" + (
@@ -66,6 +67,35 @@ def check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not one of: "
                           f"{', '.join(TOKENIZERS)}, or a directory (a pretrained tokenizer "
                           "saved with save_pretrained)")
+
+
+QUANTIZE = ("nf4", "int8")
+
+
+def _check_quantize(cfg: Any, spec: registry.TaskSpec) -> None:
+    """model.quantize: a known kind, LoRA on a causal LM fine-tune, bitsandbytes installed, and
+    a layout that keeps every weight whole on its rank (one device or DDP)."""
+    q = cfg.model.quantize
+    if q is None:
+        return
+    if q not in QUANTIZE:
+        raise ConfigError(f"model.quantize={q!r} is not one of: {', '.join(QUANTIZE)} (or null)")
+    if not cfg.model.lora.r:
+        raise ConfigError(f"model.quantize={q} freezes the base in {q}: train LoRA adapters on "
+                          "it with model.lora.r=N (QLoRA), or leave model.quantize unset")
+    if spec.objective != "sft" or spec.encoder_decoder:
+        raise ConfigError(f"model.quantize={q} applies to fine-tuning a causal LM on pairs or "
+                          f"chat records; data.format={cfg.data.format} (trainer.objective="
+                          f"{spec.objective}) trains without it")
+    if cfg.trainer.strategy in ("fsdp", "hsdp") or cfg.trainer.precision == "bf16-true":
+        raise ConfigError(f"model.quantize={q} runs on one device or DDP in fp32 / bf16-mixed: "
+                          "FSDP2 cannot shard bitsandbytes' packed weights and bf16-true would "
+                          f"cast them (got trainer.strategy={cfg.trainer.strategy}, "
+                          f"trainer.precision={cfg.trainer.precision})")
+    import importlib.util
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"model.quantize={q} stores the base through bitsandbytes: pip "
+                          "install bitsandbytes (its CPU backend runs here too)")
 
 
 def _check_lora(lora: Any) -> None:

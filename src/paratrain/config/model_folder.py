@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from .hub import hub_origin, resolve_folder
 
 # Files any one of which makes a folder loadable by transformers' AutoTokenizer.from_pretrained.
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
@@ -47,6 +48,33 @@ def _read_model_config(file: str, mtime_ns: int, size: int) -> dict:
         raise ConfigError(f"{file} holds {type(info).__name__}, not the JSON object a model's "
                           "config.json is; restore it from the model's source")
     return info
+
+
+def resolve_models(cfg: Any) -> None:
+    """Every model folder a config names, as a local folder, decided once when the config is
+    built (before any worker): model.path (a Hub id at model.revision -> its snapshot folder in
+    huggingface_hub's cache; model.revision then records the commit), dpo.reference and each of
+    rl.reward_models (their main revision). One resolver for all: config/hub.py."""
+    m = cfg.model
+    if m.path and m.arch == "hf":
+        m.path = resolve_folder(m.path, m.revision, "model.path")
+        origin = hub_origin(m.path)
+        if origin is not None:
+            m.revision = origin.commit
+    if cfg.dpo.reference:
+        cfg.dpo.reference = resolve_folder(cfg.dpo.reference, None, "dpo.reference")
+    cfg.rl.reward_models = [resolve_folder(str(f), None, "rl.reward_models")
+                            for f in cfg.rl.reward_models]
+
+
+def check_remote_code(cfg: Any) -> None:
+    """A model whose config.json names its own code (auto_map) is refused, in one line, unless
+    model.trust_remote_code=true: from_pretrained would run that code with the user's rights."""
+    auto_map = model_config(cfg.model.path).get("auto_map") if cfg.model.path else None
+    if auto_map and not cfg.model.trust_remote_code:
+        raise ConfigError(f"model.path={cfg.model.path!r} ships its own Python code (auto_map in "
+                          "its config.json), which loading would run with your rights; read it, "
+                          "then set model.trust_remote_code=true to allow it")
 
 
 def refuse_encoder_decoder(path: Optional[str], trains: str) -> None:

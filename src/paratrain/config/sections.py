@@ -60,7 +60,16 @@ class ModelConfig:
     fits; `pip install 'paratrain[hf]'`)."""
     path: Optional[str] = None
     """model.arch=hf: a folder with config.json (and usually weights and a tokenizer), as
-    `save_pretrained` writes it; nothing is downloaded."""
+    `save_pretrained` writes it, or a Hugging Face Hub id (org/name): read from huggingface_hub's
+    cache (HF_HUB_CACHE), downloaded into it once when missing unless HF_HUB_OFFLINE=1; the
+    config then holds the snapshot folder, whose path names the id and the commit."""
+    revision: Optional[str] = None
+    """model.path as a Hub id: the branch, tag or commit to read (null: main); once resolved, the
+    commit it stood for (config.yaml records it, so a run is reproducible)."""
+    trust_remote_code: bool = False
+    """Allow a model whose config.json names its own Python code (auto_map); refused otherwise,
+    since loading would run that code with your rights. Passed to transformers where pairs / chat
+    fine-tuning loads the model; the other tasks and `generate` do not load such code yet."""
     preset: Optional[str] = "small"
     """A shape that fills the unset sizes below: tiny, small (~6.5M), medium (~16M), base
     (~125M), large (~350M), llama3-8b, llama3-70b, llama3-405b (Llama 3's published shapes)."""
@@ -93,6 +102,12 @@ class ModelConfig:
     nn.Linear / nn.Embedding gets)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters on an hf model instead of training every weight."""
+    quantize: Optional[str] = None
+    """null | nf4 (QLoRA: the frozen base's linear layers in 4-bit NormalFloat, about a quarter
+    of their bf16 memory) | int8: through bitsandbytes (`pip install bitsandbytes`; its CPU
+    backend too), with LoRA adapters (model.lora.r) trained in full precision on pairs / chat;
+    DDP or one device (FSDP2 cannot shard bitsandbytes' packed weights); the merged model/ is
+    merged onto the full-precision base."""
 
 
 @dataclass
@@ -100,7 +115,9 @@ class DataConfig:
     """What is read, how it is tokenized, and how it becomes rows and batches."""
     source: str = "stdlib"
     """stdlib (the Python standard library's source files) | a text file | a directory | a glob
-    ('data/*.txt') | a .jsonl / .parquet / .csv file | a `datasets.save_to_disk` folder | a
+    ('data/*.txt') | a .jsonl / .parquet / .csv file | a `datasets.save_to_disk` folder |
+    fine-tuning formats: a Hub dataset hf://datasets/org/name[@revision] (data.subset,
+    data.split), read through huggingface_hub's and datasets' caches (offline: HF_HUB_OFFLINE=1) | a
     folder of token ids (.bin) with a meta.json: {"vocab_size": N, "eos_id": E}."""
     text_field: str = "text"
     """The field holding the text: .jsonl / .parquet / save_to_disk corpora, and the text to
@@ -118,7 +135,16 @@ class DataConfig:
     """What the data is and what is trained: packed (contiguous windows of text) | padded (one
     document per row, pads ignored by the loss) | pairs (input -> output) | chat (messages) |
     classify (text -> label) | preference (prompt, chosen, rejected: DPO or a reward model) |
-    prompts (prompts alone: online RL, trainer.objective=grpo, rloo or ppo)."""
+    prompts (prompts alone: online RL, trainer.objective=grpo, rloo or ppo) | auto: decided from the
+    fields of data.source's first records (ShareGPT, Alpaca, OpenAI / TRL conversational,
+    prompt/completion, preference and unpaired preference records; the log says what it chose).
+    """
+    records: str = "native"
+    """How the records are laid out when they are not paratrain's own fields (data.format=auto
+    sets it): native | sharegpt (conversations of {from, value}: human / gpt / system become
+    user / assistant / system) | alpaca (instruction, optional input -> output: the input after
+    the instruction, a blank line between) | prompt_completion (prompt and completion as chat
+    messages, one conversation)."""
     pack: bool = False
     """pairs / chat: several examples per row (refused for now: examples are padded to the
     longest of each micro-batch instead)."""
@@ -140,8 +166,15 @@ class DataConfig:
     margin_field: Optional[str] = None
     """preference: a field with each pair's margin (reward models); null: none."""
     val_source: Optional[str] = None
-    """pairs / chat / classify / preference: a validation file; null: data.val_fraction of the
-    records is held out."""
+    """pairs / chat / classify / preference: a validation file (or Hub dataset, as data.source);
+    null: data.val_fraction of the records is held out."""
+    subset: Optional[str] = None
+    """data.source / data.val_source as a Hub dataset (hf://datasets/org/name[@revision]): its
+    configuration (the `name` of datasets.load_dataset); null: its default."""
+    split: str = "train"
+    """A Hub dataset's split for training, with datasets' slicing (train[:10%], train[100:])."""
+    val_split: str = "validation"
+    """A Hub dataset's split for validation (data.val_source=hf://...)."""
     max_length: Optional[int] = None
     """pairs / chat / classify / preference: tokens per example (pairs lose the start of the
     input); null: the model's max_position_embeddings."""

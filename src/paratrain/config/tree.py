@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -21,6 +21,9 @@ from ..errors import ConfigError
 from ..formatting import first_line
 from ..redact import redact_secrets
 from .checks import validate
+from .formats import resolve_format
+from .hub import pin_sources
+from .model_folder import resolve_models
 from .defaults import default_run_name, resolve_max_length, resolve_tokenizer
 from .docs import suggest_key, unknown_key_message
 from .registry import TaskSpec, for_config
@@ -60,6 +63,10 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+
+    # What data.format=auto chose and why (logged when the run starts); not a key: config.yaml
+    # records the decided data.format itself.
+    format_line: ClassVar[Optional[str]] = None
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -106,8 +113,11 @@ class TrainConfig:
             raise ConfigError(_omegaconf_message(e)) from None
         cfg = OmegaConf.to_object(merged)
         assert isinstance(cfg, TrainConfig)
+        pin_sources(cfg)  # Hub datasets pinned to their commit, once, from the cache
+        cfg.format_line = resolve_format(cfg)  # data.format=auto decided once, from the records
         if cfg.run.name is None:  # decided here, once: config.yaml shows it
             cfg.run.name = default_run_name(cfg)
+        resolve_models(cfg)  # Hub ids -> cached snapshot folders, once, before the checks
         validate(cfg)
         return cfg
 

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from ..config.hub import is_hub_dataset, load_hub_dataset
 from ..errors import ConfigError, DataError
 from .saved_dataset import is_saved_dataset, read_saved_rows
 
@@ -26,11 +27,15 @@ _FORMATS_HELP = ("give a .jsonl, .json, .parquet, .csv or .tsv file, or a datase
                  "folder")
 
 
-def read_rows(source: Any, *, what: str) -> List[Row]:
-    """Rows from a file path, a `datasets.load_from_disk` folder, a list of dicts or a
+def read_rows(source: Any, *, what: str, subset: Optional[str] = None,
+              split: str = "train") -> List[Row]:
+    """Rows from a file path, a `datasets.load_from_disk` folder, a Hub dataset
+    (hf://datasets/org/name@commit: its `subset` and `split`), a list of dicts or a
     `datasets.Dataset`. `what` names the setting the source came from (e.g. "data.train"),
     so that errors say which one to fix."""
-    if isinstance(source, (list, tuple)):
+    if is_hub_dataset(source):
+        rows = _dataset_rows(load_hub_dataset(source, subset, split, what), what)
+    elif isinstance(source, (list, tuple)):
         rows = list(source)
         for i, row in enumerate(rows, start=1):
             if not isinstance(row, dict):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from ..data.tokenizer import tokenizer_files
@@ -24,6 +25,8 @@ class HFArgs:
     vocab_size: int
     arch: str = "hf"
     auto_class: str = "AutoModelForCausalLM"  # the transformers class the task loads with
+    quantize: Optional[str] = None  # model.quantize: nf4 | int8 through bitsandbytes
+    trust_remote_code: bool = False  # model.trust_remote_code: run the folder's own model code
 
     def to_dict(self) -> dict:
         return {"arch": self.arch, "path": self.path, "vocab_size": self.vocab_size}
@@ -36,15 +39,30 @@ def build_hf(args: HFArgs) -> nn.Module:
         raise ConfigError("model.arch=hf needs the transformers package: "
                           "pip install 'paratrain[hf]'") from None
     p = Path(args.path).expanduser()
-    config = transformers.AutoConfig.from_pretrained(p, local_files_only=True)
+    remote = {"trust_remote_code": True} if args.trust_remote_code else {}
+    config = transformers.AutoConfig.from_pretrained(p, local_files_only=True, **remote)
     if getattr(config, "vocab_size", args.vocab_size) < args.vocab_size:
         raise ConfigError(f"model.path={args.path!r} has vocab_size={config.vocab_size}, smaller "
                           f"than the tokenizer's {args.vocab_size}; raise it in config.json or "
                           "lower data.vocab_size")
     auto = getattr(transformers, args.auto_class)
     if loads_weights(p):  # safetensors only: nothing from the path is unpickled
-        return auto.from_pretrained(p, local_files_only=True, use_safetensors=True)
-    return auto.from_config(config)
+        return auto.from_pretrained(p, local_files_only=True, use_safetensors=True,
+                                    **quantized(args.quantize), **remote)
+    return auto.from_config(config, **remote)
+
+
+def quantized(quantize: Optional[str]) -> dict:
+    """from_pretrained's arguments for model.quantize: the frozen base's linear layers stored by
+    bitsandbytes in 4-bit NF4 (compute in fp32) or int8, quantized as they load on the CPU (the
+    parallelism moves them to the device afterwards); {} when not quantized."""
+    if not quantize:
+        return {}
+    import transformers
+    config = (transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                              bnb_4bit_compute_dtype=torch.float32)
+              if quantize == "nf4" else transformers.BitsAndBytesConfig(load_in_8bit=True))
+    return {"quantization_config": config, "device_map": {"": "cpu"}}
 
 
 def quiet_transformers() -> None:

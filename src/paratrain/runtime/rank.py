@@ -17,6 +17,7 @@ from ..checkpoint.rundir import check_run_dir, prepare_run_dir
 from ..checkpoint.snapshot_state import Resumed
 from ..checkpoint.snapshotter import Snapshotter
 from ..config.tree import TrainConfig
+from ..config.hub import hub_model
 from ..dist import DistEnv
 from ..fileio import atomic_write_json, replace_dir
 from ..formatting import first_line
@@ -389,4 +390,5 @@ def run_summary(run: RankRun, last: dict, val_loss: Optional[float], memory: lis
         "data_fingerprint": task.data_fingerprint, "memory": memory,
         "best_val_loss": best.best_loss, "best_step": best.best_step,
         "stopped_early": run.loop.stopped_early,
+        "hub_model": hub_model(cfg.model.path) if cfg.model.arch == "hf" else None,
     }

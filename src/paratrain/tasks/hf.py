@@ -126,6 +126,7 @@ class PretrainedTask(NoFrozenModels):
         records; the cached path splits at load time instead, with the same rows)."""
         from ..data.examples import split_validation
         from ..data.hf_tokenizer import load_tokenizer
+        from ..data.record_formats import to_native
         from ..data.rows import read_rows
         quiet_transformers()
         tokenizer, note = load_tokenizer(tokenizer_dir)
@@ -134,8 +135,11 @@ class PretrainedTask(NoFrozenModels):
         encode = cls.encoder(cfg, tokenizer, notes)
         what = ("train", "validation") if isinstance(train_src, list) else \
             ("data.source", "data.val_source")
-        train = encode(read_rows(train_src, what=what[0]), names["train"])
-        val = encode(read_rows(val_src, what=what[1]), names["val"]) \
+        d = cfg.data
+        rows = lambda src, w, split: to_native(  # noqa: E731
+            read_rows(src, what=w, subset=d.subset, split=split), d.records, w)
+        train = encode(rows(train_src, what[0], d.split), names["train"])
+        val = encode(rows(val_src, what[1], d.val_split), names["val"]) \
             if val_src is not None else None
         if val is None and split and cfg.data.val_fraction > 0:  # uncached: split the examples
             train, val = split_validation(train, cfg.data.val_fraction, seed=cfg.trainer.seed)
@@ -174,10 +178,12 @@ class PretrainedTask(NoFrozenModels):
         a worker starts; None when transformers cannot build it (loading then says why)."""
         import transformers
         try:
+            remote = {"trust_remote_code": True} if cfg.model.trust_remote_code else {}
             config = transformers.AutoConfig.from_pretrained(
-                Path(str(cfg.model.path)).expanduser(), local_files_only=True, **config_changes)
+                Path(str(cfg.model.path)).expanduser(), local_files_only=True, **remote,
+                **config_changes)
             with torch.device("meta"):
-                return getattr(transformers, cls.auto_class).from_config(config)
+                return getattr(transformers, cls.auto_class).from_config(config, **remote)
         except (OSError, ValueError):
             return None
 
@@ -219,6 +225,17 @@ class PretrainedTask(NoFrozenModels):
             model.get_input_embeddings().register_forward_hook(partial(neftune_noise, alpha))
         return model
 
+    def full_precision_model(self) -> nn.Module:
+        """A quantized run's model with its base in full precision, as model.path holds it: what
+        its trained adapters are merged onto for model/ (a merge onto 4-bit weights would
+        round the sum to 4 bits again)."""
+        from ..models.hf import HFArgs, build_hf
+        from .lora import apply_lora
+        base = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer),
+                               auto_class=self.auto_class,
+                               trust_remote_code=self.cfg.model.trust_remote_code))
+        return apply_lora(base, self.cfg.model.lora, task_type=self.lora_task_type)
+
     def describe(self, n_params: int) -> str:
         return (f"model hf ({self.cfg.model.path}): {human_count(n_params)} parameters; "
                 f"tokenizer {self.tokenizer_dir} ({len(self.tokenizer)} tokens)")
@@ -247,8 +264,13 @@ class PretrainedTask(NoFrozenModels):
         adapter alone in adapter/ next to it."""
         if self.lora:
             from .lora import ADAPTER_DIR
-            fresh = self.build_model()  # a CPU PeftModel of the same shape, to hold the state
-            fresh.load_state_dict(state)
+            if self.cfg.model.quantize:  # the adapters merged onto the full-precision base
+                fresh = self.full_precision_model()
+                fresh.load_state_dict({k: v for k, v in state.items() if ".lora_" in k},
+                                      strict=False)
+            else:
+                fresh = self.build_model()  # a CPU PeftModel of the same shape, for the state
+                fresh.load_state_dict(state)
             self.save_lora(fresh, merged=out_dir, adapter=out_dir.parent / ADAPTER_DIR)
             return
         with atomic_dir(out_dir) as tmp:

@@ -46,7 +46,9 @@ class CausalLMTask(TokenLoss, PretrainedTask):
 
     def load_pretrained(self) -> nn.Module:
         from ..models.hf import HFArgs, build_hf
-        model = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer)))
+        m = self.cfg.model
+        model = build_hf(HFArgs(m.path, len(self.tokenizer), quantize=m.quantize,
+                                trust_remote_code=m.trust_remote_code))
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         return model
