@@ -289,10 +289,10 @@ def _check_trainer_knobs(cfg: Any, spec: registry.TaskSpec) -> None:
 
 
 def _stated_processes(devices: Any) -> Optional[int]:
-    """The processes per node trainer.devices states without asking torch (cpu:N, a list of
-    GPUs); None for auto and the like."""
+    """The processes per node trainer.devices states without asking torch (cpu:N, gpu:N, a
+    list of GPUs); None for auto and the like."""
     text = str(devices)
-    if text.startswith("cpu:") and text[4:].isdigit():
+    if text[:4] in ("cpu:", "gpu:") and text[4:].isdigit():
         return int(text[4:])
     return len(devices) if isinstance(devices, (list, tuple)) or \
         type(devices).__name__ == "ListConfig" else None

@@ -167,7 +167,8 @@ class DataConfig:
 class TrainerConfig:
     """Devices, parallelism, batch, length and the training loop's options."""
     devices: Any = "auto"
-    """auto (all GPUs, else cpu:N with N = min(2, cores)) | cpu:N | [0, 1] | cuda:0,1 | cuda |
+    """auto (all GPUs, else cpu:N with N = min(2, cores)) | cpu:N (N CPU workers) | gpu:N (the
+    first N GPUs) | [0, 1] | cuda:0,1 (GPUs 0 and 1: cuda:N names GPU N, as in torch) | cuda |
     cpu. On several nodes: this node's devices."""
     strategy: str = "auto"
     """auto (picked from the memory plan) | ddp | fsdp (FSDP2, per block) | hsdp (sharded within
