@@ -134,8 +134,8 @@ class PretrainedTask(NoFrozenModels):
         encode = cls.encoder(cfg, tokenizer, notes)
         what = ("train", "validation") if isinstance(train_src, list) else \
             ("data.source", "data.val_source")
-        train = encode(read_rows(train_src, what=what[0]), names["train"])
-        val = encode(read_rows(val_src, what=what[1]), names["val"]) \
+        train = encode(read_rows(train_src, what=what[0], notes=notes), names["train"])
+        val = encode(read_rows(val_src, what=what[1], notes=notes), names["val"]) \
             if val_src is not None else None
         if val is None and split and cfg.data.val_fraction > 0:  # uncached: split the examples
             train, val = split_validation(train, cfg.data.val_fraction, seed=cfg.trainer.seed)

@@ -1,0 +1,40 @@
+"""What a run used to do without a word, said: trainer.eval_every=0 switches evaluation off (it
+was refused, and no key said how); the start line says which of trainer.max_steps and
+trainer.epochs decides the number of steps; blank lines of a .jsonl file are counted in the
+log, not skipped silently."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import cli_run, read_metrics, read_summary, tiny_overrides
+from tests.e2e._tiny_model import make_pairs, write_jsonl
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_eval_every_zero_trains_without_evaluating(capsys, tmp_path, corpus_dir, cache_dir):
+    run = tmp_path / "run"
+    r = cli_run(capsys, ["train", *tiny_overrides(corpus_dir, cache_dir, **{
+        "trainer.devices": "cpu", "trainer.max_steps": 4, "trainer.eval_every": 0}),
+        f"run.dir={run}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert read_summary(run)["val_loss"] is None
+    assert not any("val_loss" in m for m in read_metrics(run))
+    assert "validation loss" not in r.stderr
+    assert "4 steps by trainer.max_steps, trainer.epochs counts only when it is null (" \
+        in r.stderr
+
+
+def test_blank_lines_of_a_records_file_are_counted(capsys, tmp_path, pairs_llama):
+    rows = make_pairs(12)
+    write_jsonl(tmp_path / "pairs.jsonl", rows)
+    lines = (tmp_path / "pairs.jsonl").read_text().splitlines()
+    (tmp_path / "pairs.jsonl").write_text("\n".join(lines[:5] + ["", "  "] + lines[5:]) + "\n")
+    r = cli_run(capsys, ["train", "model.arch=hf", f"model.path={pairs_llama}",
+                         "data.format=pairs", f"data.source={tmp_path / 'pairs.jsonl'}",
+                         "trainer.devices=cpu", "trainer.max_steps=1", "trainer.batch_size=2",
+                         "trainer.eval_every=0", "trainer.progress_bar=false",
+                         f"data.cache_dir={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 blank line(s) skipped (line 6, 7); 12 records read" in r.stderr, r.stderr[-3000:]
