@@ -5,9 +5,12 @@ log, not skipped silently."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.conftest import cli_run, read_metrics, read_summary, tiny_overrides
+from tests.conftest import REPO, cli_env, cli_run, read_metrics, read_summary, tiny_overrides
 from tests.e2e._tiny_model import make_pairs, write_jsonl
 
 pytestmark = pytest.mark.timeout(240)
@@ -38,3 +41,31 @@ def test_blank_lines_of_a_records_file_are_counted(capsys, tmp_path, pairs_llama
                          f"data.cache_dir={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 blank line(s) skipped (line 6, 7); 12 records read" in r.stderr, r.stderr[-3000:]
+
+
+_BEFORE_TORCH = '''
+import builtins, sys
+from paratrain import cli
+
+class TorchFirst:  # the import of torch ends the command: what printed before it is the answer
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise SystemExit("torch was imported before any line")
+
+real = builtins.print
+def spy(*args, **kwargs):
+    real(*args, **kwargs)
+    if args and "loading torch" in str(args[0]):
+        raise SystemExit(0)
+builtins.print = spy
+sys.meta_path.insert(0, TorchFirst())
+cli.main(["train", "configs/tiny.yaml"])
+'''
+
+
+def test_a_line_comes_before_the_slow_imports():
+    """Under load the imports took two minutes without a word: the CLI says it lives first."""
+    r = subprocess.run([sys.executable, "-c", _BEFORE_TORCH], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env=cli_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.strip() == "[paratrain] config checked (tiny); loading torch"
