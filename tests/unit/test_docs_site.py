@@ -9,6 +9,7 @@ commands wrap, and the home page names what paratrain trains."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -107,3 +108,17 @@ def test_the_site_works_from_disk(site):
     for words in ("online RL", "GRPO", "embedding", "SetFit", "KTO"):
         assert words in home, words
     assert pages[(site / "guides" / "online-rl.html").as_uri()].h2 >= 4  # subheadings
+
+
+@pytest.mark.timeout(300)
+def test_search_answers_from_disk_in_a_real_browser(site):
+    """Headless Chromium opens the home page from disk with a query (material reads ?q=): the
+    search runs in its worker (the vendored iframe-worker shim) over the inlined index."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium here (apt-get install chromium); the link walk still runs")
+    r = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
+                        "--virtual-time-budget=15000", "--dump-dom",
+                        (site / "index.html").as_uri() + "?q=reward"],
+                       capture_output=True, text=True, timeout=240)
+    assert re.search(r"\d+ matching documents", r.stdout), r.stdout[-2000:]

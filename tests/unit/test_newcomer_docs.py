@@ -83,7 +83,7 @@ def test_the_embedding_guides_commands_do_not_warn_about_their_warmup(my_model):
 
 def test_the_setfit_guides_epochs_are_what_it_trains(my_model):
     """trainer.epochs=1 did nothing: trainer.max_steps' default (200) won without a word."""
-    (args,) = _commands("docs/guides/embeddings.md", "40 steps")
+    (args,) = _commands("docs/guides/embeddings.md", "SetFit's")
     cfg = TrainConfig.from_yaml(None, args[2:])
     assert "trainer.epochs=1" in args and cfg.trainer.max_steps is None
 
