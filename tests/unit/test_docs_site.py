@@ -110,6 +110,7 @@ def test_the_site_works_from_disk(site):
     assert pages[(site / "guides" / "online-rl.html").as_uri()].h2 >= 4  # subheadings
 
 
+@pytest.mark.slow  # a browser's start-up: the link walk covers the quick subset
 @pytest.mark.timeout(300)
 def test_search_answers_from_disk_in_a_real_browser(site):
     """Headless Chromium opens the home page from disk with a query (material reads ?q=): the
