@@ -36,18 +36,35 @@ def cpu_s(pids: Iterable[int]) -> float:
     return total / _TICK
 
 
-def session_pids(sid: int) -> list[int]:
-    """Every live process of session `sid` (a CLI started with start_new_session and the
-    workers it launched)."""
-    out = []
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, session id) of every live process."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if int(_stat_fields((entry / "stat").read_text())[3]) == sid:
-                    out.append(int(entry.name))
+                f = _stat_fields((entry / "stat").read_text())
+                out[int(entry.name)] = (int(f[1]), int(f[3]))
             except (OSError, ValueError, IndexError):
                 continue
     return out
+
+
+def session_pids(sid: int) -> list[int]:
+    """Every live process of session `sid` (a CLI started with start_new_session) and every
+    descendant of process `sid` (its workers lead sessions of their own, so that they outlive
+    no launcher: launch/worker.py)."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    out = {pid for pid, (_, session) in procs.items() if session == sid}
+    todo = list(out | ({sid} if sid in procs else set()))
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return sorted(out)
 
 
 class Stalled(Exception):

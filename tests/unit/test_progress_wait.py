@@ -49,3 +49,14 @@ def test_a_sleeping_process_is_a_stall():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_workers_in_sessions_of_their_own_count_as_the_jobs_progress():
+    """paratrain's workers lead sessions of their own (launch/worker.py): an idle launcher whose
+    worker works is not a stall."""
+    worker = "import os, time\nos.setsid()\nt = time.time()\nwhile time.time() < t + 5: pass\n"
+    launcher = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {worker!r}])\n"
+    proc = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True)
+    waited = wait_while_progressing(lambda s: _ended(proc, s), lambda: session_pids(proc.pid),
+                                    stall_s=2, min_cpu_s=0.01)
+    assert waited >= 5 and proc.returncode == 0
