@@ -1,7 +1,7 @@
 """What a run used to do without a word, said: trainer.eval_every=0 switches evaluation off (it
 was refused, and no key said how); the start line says which of trainer.max_steps and
 trainer.epochs decides the number of steps; blank lines of a .jsonl file are counted in the
-log, not skipped silently."""
+log, not skipped silently; a train command says it lives before its slow imports."""
 
 from __future__ import annotations
 
