@@ -9,11 +9,9 @@ SITE=$(mktemp -d)
 trap 'rm -rf "$SITE"' EXIT
 .venv/bin/python -m mkdocs build --strict --quiet --site-dir "$SITE"
 mkdir -p "$OUT"
-for page in index reference/config reference/cli guides/fine-tuning; do
-    file="$SITE/${page%index}"
-    [ "$page" = index ] || file="$SITE/$page/"
-    name=$(echo "${page}" | tr / -)
+for page in index reference/config reference/cli guides/fine-tuning guides/online-rl; do
+    name=$(echo "${page}" | tr / -)  # (use_directory_urls: false: a page is PAGE.html)
     chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,1000 \
-        --screenshot="$OUT/$name.png" "file://${file}index.html" 2>/dev/null
+        --screenshot="$OUT/$name.png" "file://$SITE/$page.html" 2>/dev/null
     echo "$OUT/$name.png"
 done

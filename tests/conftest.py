@@ -2,8 +2,9 @@
 the one CLI runner.
 
 Every CLI process starts through `start_cli` (`run_cli` waits for it), in a session of its own
-that `finish` kills whole (workers included) when the time is up, so a hung distributed test
-fails instead of hanging CI. Input the CLI must refuse is checked in this process (`cli_error`,
+that `finish` kills whole (workers included) once it stops making progress (tests/_progress.py:
+no CPU used for the allowed time), so a hung distributed test fails instead of hanging CI, and a
+loaded machine's slow one does not. Input the CLI must refuse is checked in this process (`cli_error`,
 through the same cli.main); a real process is kept for one error of each kind. Finished runs
 that several tests read are trained once per session: tests/_runs.py.
 """
@@ -17,10 +18,11 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
+
+from tests._progress import Stalled, session_pids, wait_while_progressing
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -162,27 +164,45 @@ def start_cli(args: list[str], cwd: Path, env: dict | None = None,
 
 
 def finish(proc: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
-    """Wait for a started CLI; past `timeout` kill its whole session and fail the test."""
+    """Wait for a started CLI while it works; once its whole session (the CLI and its workers)
+    has made no progress for `timeout` s (tests/_progress.py: no CPU used, as a hung job), kill
+    it and fail the test. A loaded machine stretches the wait instead of failing it."""
+    got: list = []
+
+    def ended(poll_s: float) -> bool:
+        try:
+            got.extend(proc.communicate(timeout=poll_s))
+            return True
+        except subprocess.TimeoutExpired:  # (communicate again loses no output)
+            return False
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+        wait_while_progressing(ended, lambda: session_pids(proc.pid), stall_s=timeout)
+    except Stalled as e:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, proc.args))} did not finish in {timeout} s\n"
+        pytest.fail(f"{' '.join(map(str, proc.args))}: {e}\n"
                     f"stdout:\n{out[-2000:]}\nstderr:\n{err[-4000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, *got)
 
 
 def finish_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    """Wait for several CLIs (the nodes of one job); on timeout kill every one and fail with
-    what each printed."""
-    deadline = time.monotonic() + timeout
-    out = []
+    """Wait for several CLIs (the nodes of one job) while they work; once they make no progress
+    for `timeout` s together, kill every one and fail with what each printed."""
+    got: dict[int, tuple] = {}
+
+    def ended(poll_s: float) -> bool:
+        for i, p in enumerate(procs):
+            if i not in got:
+                try:
+                    out, err = p.communicate(timeout=poll_s / len(procs))
+                    got[i] = (p.returncode, out, err)
+                except subprocess.TimeoutExpired:
+                    pass
+        return len(got) == len(procs)
     try:
-        for p in procs:
-            o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            out.append((p.returncode, o, e))
-    except subprocess.TimeoutExpired:
+        wait_while_progressing(ended, lambda: [q for p in procs for q in session_pids(p.pid)],
+                               stall_s=timeout)
+    except Stalled as e:
         for p in procs:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -190,8 +210,8 @@ def finish_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int,
                 pass
         logs = "\n".join(f"--- node {i}\n{p.communicate()[1][-2000:]}"
                          for i, p in enumerate(procs))
-        pytest.fail(f"nodes did not finish in {timeout} s\n{logs}")
-    return out
+        pytest.fail(f"nodes: {e}\n{logs}")
+    return [got[i] for i in range(len(procs))]
 
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 180, env: dict | None = None,
@@ -238,14 +258,16 @@ def cli_error(capsys, argv: list[str], only_line: bool = False) -> str:
 
 
 def cli_refusal(capsys, argv: list[str], only_line: bool = False) -> tuple[str, str]:
-    """`cli_error`, and all the command printed on stderr (to check what it did not do)."""
+    """`cli_error`, and all the command printed on stderr (to check what it did not do); `only_line`
+    allows the line a train command prints before its slow imports, nothing else."""
     from paratrain import cli
     capsys.readouterr()  # what the test printed before is not this command's
     code = cli.main(argv)
     err = capsys.readouterr().err
     assert code == 2, err[-3000:]
     assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
+    lines = [x for x in err.strip().splitlines()  # (every train says it lives, first)
+             if not x.startswith("[paratrain] config checked")]
     errors = lines if only_line else [x for x in lines if not x.startswith("[paratrain] ")]
     assert len(errors) == 1, err
     assert errors[0].startswith("paratrain: error: ")

@@ -16,8 +16,10 @@ from paratrain.parallel.strategies import DDP, parallelize
 def ddp_replicas(rank: int, world: int, port: int, result_path: str) -> None:
     """Train a few DDP steps with different data on each rank; save every rank's parameters."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # a long collective timeout: the parent's wait (tests/_progress.py) ends a hung run, and a
+    # loaded machine may keep one rank from its first collective for minutes
     env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
-                  device=torch.device("cpu"), backend="gloo", timeout_s=60)
+                  device=torch.device("cpu"), backend="gloo", timeout_s=600)
     torch.set_num_threads(1)
     env.init()
     try:

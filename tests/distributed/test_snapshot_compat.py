@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from paratrain.launch.environment import free_port
+from tests._progress import join_while_progressing
 from tests.conftest import read_metrics, read_summary, run_cli
 from tests.distributed import _workers
 from tests.distributed._snapshot_helpers import weights
@@ -70,7 +71,7 @@ def test_snapshot_from_an_older_version_resumes_bit_identical(tmp_path):
                              start_method="spawn",
                              args=(2, free_port(), _args(resaved_run, cache)[1:]
                                    + [f"checkpoint.resume={old}"]))
-    assert ctx.join(timeout=120) or ctx.join(timeout=60), "the re-save did not finish in time"
+    join_while_progressing(ctx)
     resaved = resaved_run / "checkpoints" / "step-0000004"
     assert json.loads((resaved / "committed.json").read_text())["step"] == 4
     _assert_same(_tensors(resaved, tmp_path / "resaved.pt"), _tensors(old, tmp_path / "old.pt"))

@@ -143,3 +143,26 @@ def test_a_near_miss_gets_the_key_that_works():
         Trainer(learning_rate=0.1)
     tiny = TrainConfig.from_yaml(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"), [])
     assert schedule_warnings(tiny.optim, tiny.trainer.max_steps) == []
+
+
+def test_epochs_set_alone_win_over_the_max_steps_default(tmp_path):
+    """trainer.epochs=1 used to do nothing: max_steps' default (200) won without a word."""
+    assert TrainConfig.from_yaml(None, ["trainer.epochs=1"]).trainer.max_steps is None
+    assert TrainConfig.from_yaml(None, ["trainer.epochs=2"]).with_overrides(
+        ["optim.lr=0.01"]).trainer.max_steps is None  # and stays so through later layers
+    both = TrainConfig.from_yaml(None, ["trainer.epochs=3", "trainer.max_steps=50"])
+    assert (both.trainer.max_steps, both.trainer.epochs) == (50, 3)  # both set: max_steps caps
+    p = tmp_path / "c.yaml"
+    p.write_text("trainer:\n  max_steps: 50\n")
+    assert TrainConfig.from_yaml(p, ["trainer.epochs=2"]).trainer.max_steps is None  # later
+    assert TrainConfig.from_yaml(None).trainer.max_steps == 200
+    cfg = TrainConfig.from_yaml(None).with_overrides(["trainer.epochs=2"])  # Trainer(epochs=2)
+    assert cfg.trainer.max_steps is None
+
+
+def test_eval_every_zero_switches_evaluation_off():
+    assert TrainConfig.from_yaml(None, ["trainer.eval_every=0"]).trainer.eval_every == 0
+    with pytest.raises(ConfigError, match=r"trainer.eval_every=-1 must be >= 0 \(0: no eval"):
+        TrainConfig.from_yaml(None, ["trainer.eval_every=-1"])
+    with pytest.raises(ConfigError, match="switches evaluation off, but trainer.keep_best"):
+        TrainConfig.from_yaml(None, ["trainer.eval_every=0", "trainer.keep_best=true"])

@@ -27,6 +27,9 @@ def _cfg(*overrides: str) -> TrainConfig:
     (["trainer.devices=1"], False),
     (["trainer.devices=[3]"], False),
     (["trainer.devices=cuda:0"], False),
+    (["trainer.devices=gpu:2"], True),  # two GPUs (cuda:2 is GPU 2 alone)
+    (["trainer.devices=gpu:1"], False),
+    (["trainer.devices=cuda:2"], False),
     (["trainer.devices=cpu:1", "distributed.nnodes=2", "distributed.master_port=29500"],
      True),  # one worker on each of 2 nodes
     (["trainer.devices=cuda:0,1", "trainer.strategy=dp"], False),  # one process drives both

@@ -23,6 +23,8 @@ def cpu(n):
     ("1,3", 4, [torch.device("cuda", 1), torch.device("cuda", 3)]),
     ("cuda", 2, [torch.device("cuda", 0), torch.device("cuda", 1)]),
     (2, 0, cpu(2)),
+    ("gpu:2", 4, [torch.device("cuda", 0), torch.device("cuda", 1)]),  # two GPUs, as cpu:2
+    ("cuda:2", 4, [torch.device("cuda", 2)]),  # torch's spelling: GPU 2
 ])
 def test_parse_devices(spec, gpus, expected):
     assert parse_devices(spec, gpus_visible=gpus, cores=2) == expected
@@ -38,7 +40,10 @@ def test_auto_on_one_core_is_one_worker():
     ([0], 0, ["GPU 0 does not exist", "cpu:2"]),
     ("cuda", 0, ["no CUDA GPU"]),
     ([0, 0], 2, ["twice"]),
-    ("tpu:1", 0, ["not understood"]),
+    ("tpu:1", 0, ["not understood", "gpu:N"]),
+    ("gpu:2", 1, ["asks for 2 GPUs", "1 visible GPU"]),
+    ("gpu:0", 2, ["gpu:1 or more"]),
+    ("cuda:2", 2, ["GPU 2 does not exist", "for 2 GPUs write gpu:2"]),
     ([], 0, ["non-empty"]),
 ])
 def test_bad_devices(spec, gpus, words):

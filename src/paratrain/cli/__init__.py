@@ -34,6 +34,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from ..config.tree import TrainConfig
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)  # a bad key fails here, before torch loads
+    if (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0") == "0":
+        # torch and the rest take seconds to import, minutes on a busy machine: say we live
+        print(f"[paratrain] config checked ({cfg.run.name}); loading torch", file=sys.stderr,
+              flush=True)
     from ..launch import forkserver
     forkserver.start_for(cfg)  # the workers' imports begin now, beside ours
     from ..trainer import Trainer

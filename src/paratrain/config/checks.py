@@ -72,7 +72,7 @@ def validate(cfg: Any) -> None:
     positive = {
         "data.seq_length": cfg.data.seq_length, "data.vocab_size": cfg.data.vocab_size,
         "trainer.batch_size": cfg.trainer.batch_size, "trainer.epochs": cfg.trainer.epochs,
-        "trainer.log_every": cfg.trainer.log_every, "trainer.eval_every": cfg.trainer.eval_every,
+        "trainer.log_every": cfg.trainer.log_every,
         "distributed.timeout_s": cfg.distributed.timeout_s,
     }
     optional_positive = {
@@ -109,6 +109,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
     _check_optim(cfg.optim)
     _check_trainer_knobs(cfg, spec)
+    _check_eval_off(cfg.trainer)
     if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep_last >= 1")
     if cfg.checkpoint.max_failed_saves < 1:
@@ -296,11 +297,23 @@ def _check_trainer_knobs(cfg: Any, spec: registry.TaskSpec) -> None:
                           "them: leave model.init unset")
 
 
+def _check_eval_off(tr: Any) -> None:
+    """trainer.eval_every=0 switches evaluation off: what needs evaluations is refused with it."""
+    if tr.eval_every < 0:
+        raise ConfigError(f"trainer.eval_every={tr.eval_every} must be >= 0 (0: no evaluation)")
+    needs = [k for k, on in (("trainer.early_stopping_patience",
+                              tr.early_stopping_patience is not None),
+                             ("trainer.keep_best", tr.keep_best)) if on]
+    if tr.eval_every == 0 and needs:
+        raise ConfigError(f"trainer.eval_every=0 switches evaluation off, but {needs[0]} needs "
+                          "evaluations: set trainer.eval_every=N or leave it unset")
+
+
 def _stated_processes(devices: Any) -> Optional[int]:
-    """The processes per node trainer.devices states without asking torch (cpu:N, a list of
-    GPUs); None for auto and the like."""
+    """The processes per node trainer.devices states without asking torch (cpu:N, gpu:N, a
+    list of GPUs); None for auto and the like."""
     text = str(devices)
-    if text.startswith("cpu:") and text[4:].isdigit():
+    if text[:4] in ("cpu:", "gpu:") and text[4:].isdigit():
         return int(text[4:])
     return len(devices) if isinstance(devices, (list, tuple)) or \
         type(devices).__name__ == "ListConfig" else None

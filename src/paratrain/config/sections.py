@@ -200,7 +200,8 @@ class DataConfig:
 class TrainerConfig:
     """Devices, parallelism, batch, length and the training loop's options."""
     devices: Any = "auto"
-    """auto (all GPUs, else cpu:N with N = min(2, cores)) | cpu:N | [0, 1] | cuda:0,1 | cuda |
+    """auto (all GPUs, else cpu:N with N = min(2, cores)) | cpu:N (N CPU workers) | gpu:N (the
+    first N GPUs) | [0, 1] | cuda:0,1 (GPUs 0 and 1: cuda:N names GPU N, as in torch) | cuda |
     cpu. On several nodes: this node's devices."""
     strategy: str = "auto"
     """auto (picked from the memory plan) | ddp | fsdp (FSDP2, per block) | hsdp (sharded within
@@ -213,15 +214,18 @@ class TrainerConfig:
     """Sequences per optimizer step over all workers; gradient accumulation is derived, so the
     run is the same on 1 or 8 workers. null: batch_size x data-parallel workers."""
     max_steps: Optional[int] = 200
-    """Optimizer steps to train; null: train trainer.epochs epochs."""
+    """Optimizer steps to train; null: train trainer.epochs epochs. Setting trainer.epochs
+    without it (in the same file or override list, or a later one) sets it to null: the epochs
+    you set win over this default."""
     epochs: int = 1
-    """Epochs to train when trainer.max_steps is null."""
+    """Epochs to train when trainer.max_steps is null (set alone, it nulls max_steps)."""
     seed: int = 1337
     """Seeds the weights, the data order and dropout."""
     log_every: int = 10
     """Optimizer steps per metrics.jsonl line and log line."""
     eval_every: int = 100
-    """Optimizer steps between evaluations on the validation data."""
+    """Optimizer steps between evaluations on the validation data; 0: no evaluation at all
+    (neither during the run nor at its end)."""
     eval_samples: Optional[int] = 1024
     """Evaluate on the first N held-out samples (windows, rows or examples): a bound that keeps
     each evaluation short on a large corpus (the log says when it leaves samples out); null:

@@ -115,6 +115,8 @@ class TrainConfig:
         assert isinstance(cfg, TrainConfig)
         pin_sources(cfg)  # Hub datasets pinned to their commit, once, from the cache
         cfg.format_line = resolve_format(cfg)  # data.format=auto decided once, from the records
+        if _epochs_set_last(layers):  # decided here, once: config.yaml shows max_steps: null
+            cfg.trainer.max_steps = None
         if cfg.run.name is None:  # decided here, once: config.yaml shows it
             cfg.run.name = default_run_name(cfg)
         resolve_models(cfg)  # Hub ids -> cached snapshot folders, once, before the checks
@@ -177,6 +179,20 @@ class TrainConfig:
 
 _WANTED = {"bool": "true or false", "boolean": "true or false", "int": "a whole number",
            "integer": "a whole number", "float": "a number", "str": "text", "string": "text"}
+
+
+def _epochs_set_last(layers: Sequence[Any]) -> bool:
+    """Whether the last layer that sets trainer.epochs or trainer.max_steps sets epochs alone:
+    the epochs a user wrote then win over max_steps' default (200), instead of being ignored
+    without a word. Both in one layer: max_steps decides, as documented."""
+    for layer in reversed(layers):
+        trainer = layer.get("trainer") if isinstance(layer, DictConfig) else None
+        keys = set(trainer.keys()) if isinstance(trainer, DictConfig) else set()
+        if "max_steps" in keys:
+            return False
+        if "epochs" in keys:
+            return True
+    return False
 
 
 def _omegaconf_message(e: OmegaConfBaseException) -> str:

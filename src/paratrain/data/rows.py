@@ -27,12 +27,13 @@ _FORMATS_HELP = ("give a .jsonl, .json, .parquet, .csv or .tsv file, or a datase
                  "folder")
 
 
-def read_rows(source: Any, *, what: str, subset: Optional[str] = None,
-              split: str = "train") -> List[Row]:
+def read_rows(source: Any, *, what: str, subset: Optional[str] = None, split: str = "train",
+              notes: Optional[List[str]] = None) -> List[Row]:
     """Rows from a file path, a `datasets.load_from_disk` folder, a Hub dataset
     (hf://datasets/org/name@commit: its `subset` and `split`), a list of dicts or a
     `datasets.Dataset`. `what` names the setting the source came from (e.g. "data.train"),
-    so that errors say which one to fix."""
+    so that errors say which one to fix. `notes` gets a line for the log when a .jsonl file
+    has blank lines (skipped, but said: a blank line is often a record lost by an editor)."""
     if is_hub_dataset(source):
         rows = _dataset_rows(load_hub_dataset(source, subset, split, what), what)
     elif isinstance(source, (list, tuple)):
@@ -44,7 +45,7 @@ def read_rows(source: Any, *, what: str, subset: Optional[str] = None,
     elif _is_hf_dataset(source):
         rows = _dataset_rows(source, what)
     elif isinstance(source, (str, os.PathLike)):
-        rows = _path_rows(str(source), what)
+        rows = _path_rows(str(source), what, notes if notes is not None else [])
     else:
         raise ConfigError(f"{what} is a {type(source).__name__}; {_FORMATS_HELP}, a list of "
                           "dicts or a datasets.Dataset")
@@ -95,7 +96,7 @@ def _describe(source: Any) -> str:
 
 
 # ---- files -------------------------------------------------------------------------------
-def _path_rows(source: str, what: str) -> List[Row]:
+def _path_rows(source: str, what: str, notes: List[str]) -> List[Row]:
     path = Path(os.path.expanduser(source))
     if path.is_dir():
         return _disk_dataset_rows(path, source, what)
@@ -103,7 +104,7 @@ def _path_rows(source: str, what: str) -> List[Row]:
         raise DataError(f"{what}={source!r} does not exist; {_FORMATS_HELP}")
     name = path.name.lower()
     if name.endswith((".jsonl", ".jsonl.gz")):
-        return _jsonl_rows(path, source, what)
+        return _jsonl_rows(path, source, what, notes)
     if name.endswith(".json"):
         return _json_rows(path, source, what)
     if name.endswith(".parquet"):
@@ -114,10 +115,12 @@ def _path_rows(source: str, what: str) -> List[Row]:
 
 
 def iter_jsonl(path: str | Path, where: str,
-               byte_range: Optional[Tuple[int, int]] = None) -> Iterator[tuple[int, Any]]:
+               byte_range: Optional[Tuple[int, int]] = None,
+               blank: Optional[List[int]] = None) -> Iterator[tuple[int, Any]]:
     """(line number, JSON value) of each non-blank line of a .jsonl (or .jsonl.gz) file; a line
     that is not JSON is a DataError naming `where` and the line. Corpora read it too, a part
-    of a long file at a time (`byte_range`, cut after a newline: line numbers count from it)."""
+    of a long file at a time (`byte_range`, cut after a newline: line numbers count from it).
+    `blank` collects the numbers of the blank lines skipped."""
     if byte_range is not None:
         with open(path, "rb") as raw:
             raw.seek(byte_range[0])
@@ -130,6 +133,8 @@ def iter_jsonl(path: str | Path, where: str,
     with f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
+                if blank is not None:
+                    blank.append(lineno)
                 continue
             try:
                 yield lineno, json.loads(line)
@@ -138,14 +143,19 @@ def iter_jsonl(path: str | Path, where: str,
                                 "remove that line") from None
 
 
-def _jsonl_rows(path: Path, source: str, what: str) -> List[Row]:
-    rows = []
-    for lineno, record in iter_jsonl(path, f"{what}={source!r}"):
+def _jsonl_rows(path: Path, source: str, what: str, notes: List[str]) -> List[Row]:
+    rows: List[Row] = []
+    blank: List[int] = []
+    for lineno, record in iter_jsonl(path, f"{what}={source!r}", blank=blank):
         if not isinstance(record, dict):
             raise DataError(f"{what}={source!r}: line {lineno} is a JSON "
                             f"{type(record).__name__}, not an object; write one object "
                             "per line")
         rows.append(record)
+    if blank:
+        shown = ", ".join(map(str, blank[:5])) + (", ..." if len(blank) > 5 else "")
+        notes.append(f"{what}={source!r}: {len(blank)} blank line(s) skipped (line {shown}); "
+                     f"{len(rows)} records read")
     return rows
 
 

@@ -28,7 +28,8 @@ from ..errors import ConfigError, TrainingError
 # ---- devices --------------------------------------------------------------------------------
 def parse_devices(spec: Any, *, gpus_visible: Optional[int] = None,
                   cores: Optional[int] = None) -> List[torch.device]:
-    """`auto`, `cpu`, `cpu:N`, `cuda`, `cuda:0,1`, `0,1`, `[0, 1]` or an int N -> devices.
+    """`auto`, `cpu`, `cpu:N`, `gpu:N` (N GPUs), `cuda`, `cuda:0,1` (GPUs 0 and 1: torch's
+    `cuda:N` names GPU N), `0,1`, `[0, 1]` or an int N -> devices.
 
     Counts are parameters so that tests can ask "what would this mean on a 4-GPU box".
     """
@@ -64,11 +65,25 @@ def parse_devices(spec: Any, *, gpus_visible: Optional[int] = None,
             raise ConfigError(f"{key}={spec!r} but no CUDA GPU is visible; use "
                               "trainer.devices=cpu:2 or auto")
         return [torch.device("cuda", i) for i in range(ngpu)]
-    m = re.fullmatch(r"(?:cuda:|gpu:)?(\d+(?:\s*,\s*\d+)*)", s)
+    m = re.fullmatch(r"gpu:(-?\d+)", s)
+    if m:  # a count, as cpu:N is; cuda:N (torch's spelling) names GPU N
+        return _gpu_count(int(m.group(1)), ngpu, spec)
+    m = re.fullmatch(r"(?:cuda:)?(\d+(?:\s*,\s*\d+)*)", s)
     if m:
         return _gpus([int(x) for x in m.group(1).split(",")], ngpu, spec)
-    raise ConfigError(f"{key}={spec!r} is not understood; use auto, cpu:N, cuda, cuda:0,1 "
-                      "or a list of GPU indices like [0, 1]")
+    raise ConfigError(f"{key}={spec!r} is not understood; use auto, cpu:N, gpu:N (N GPUs), "
+                      "cuda, cuda:0,1 or a list of GPU indices like [0, 1]")
+
+
+def _gpu_count(n: int, ngpu: int, spec: Any) -> List[torch.device]:
+    """`gpu:N`: the first N visible GPUs."""
+    if n < 1:
+        raise ConfigError(f"trainer.devices={spec!r} asks for {n} GPUs; use gpu:1 or more")
+    if n > ngpu:
+        have = (f"this machine has {ngpu} visible GPU(s)" if ngpu
+                else "no CUDA GPU is visible here; use trainer.devices=cpu:2 or auto")
+        raise ConfigError(f"trainer.devices={spec!r} asks for {n} GPUs ({have})")
+    return [torch.device("cuda", i) for i in range(n)]
 
 
 def _cpus(n: int) -> List[torch.device]:
@@ -82,7 +97,9 @@ def _gpus(indices: Sequence[int], ngpu: int, spec: Any) -> List[torch.device]:
         if i < 0 or i >= ngpu:
             have = (f"this machine has {ngpu} visible GPU(s): 0..{ngpu - 1}" if ngpu
                     else "no CUDA GPU is visible here; use trainer.devices=cpu:2 or auto")
-            raise ConfigError(f"trainer.devices={spec!r}: GPU {i} does not exist ({have})")
+            hint = (f"; for {i} GPUs write gpu:{i}" if re.fullmatch(r"cuda:\d+", str(spec))
+                    else "")
+            raise ConfigError(f"trainer.devices={spec!r}: GPU {i} does not exist ({have}){hint}")
     return [torch.device("cuda", i) for i in indices]
 
 

@@ -131,7 +131,8 @@ class TrainLoop:
                     self._last_snapshot(saved_at)
                     break
                 result = self._step(batches, out)
-                evaluate = st.step % self.cfg.trainer.eval_every == 0 and st.step < total
+                every = self.cfg.trainer.eval_every  # 0: evaluation off
+                evaluate = every > 0 and st.step % every == 0 and st.step < total
                 if st.step % self.cfg.trainer.log_every == 0 or evaluate or st.step == total:
                     self._log(result, evaluate, out)
                 out.bar.update(1)

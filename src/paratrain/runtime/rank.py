@@ -202,6 +202,8 @@ class RankRun:
         """(validation loss, the task's figures, whether the outputs are keep_best's earlier
         weights rather than the last step's)."""
         loop, env = self.loop, self.env
+        if self.cfg.trainer.eval_every == 0:  # evaluation off (keep_best is refused with it)
+            return None, {}, False
         val_loss = loop.evaluate()
         val_metrics = loop.val_metrics  # e.g. accuracy, for a classifier
         best = loop.state.best
@@ -345,7 +347,10 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
               if repeat > 1 else "")
     log(env, f"batch: {tr.batch_size} per device x {split} x {plan.accum} "
              f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps"
-             f"{reused} ({plan.steps_per_epoch} per epoch)")
+             f"{reused} "
+             + ("by trainer.max_steps, trainer.epochs counts only when it is null"
+                if tr.max_steps else f"by trainer.epochs={tr.epochs}")
+             + f" ({plan.steps_per_epoch} per epoch)")
     for line in [*optim.schedule_warnings(plan.cfg.optim, plan.total_steps),
                  bound_line(plan, task)]:
         if line:

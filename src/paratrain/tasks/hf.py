@@ -137,7 +137,7 @@ class PretrainedTask(NoFrozenModels):
             ("data.source", "data.val_source")
         d = cfg.data
         rows = lambda src, w, split: to_native(  # noqa: E731
-            read_rows(src, what=w, subset=d.subset, split=split), d.records, w)
+            read_rows(src, what=w, subset=d.subset, split=split, notes=notes), d.records, w)
         train = encode(rows(train_src, what[0], d.split), names["train"])
         val = encode(rows(val_src, what[1], d.val_split), names["val"]) \
             if val_src is not None else None
