@@ -24,7 +24,8 @@ from .checks import validate
 from .defaults import default_run_name, resolve_max_length, resolve_tokenizer
 from .docs import suggest_key, unknown_key_message
 from .registry import TaskSpec, for_config
-from .objectives import DPOConfig, EmbeddingConfig, KTOConfig
+from .embedding import EmbeddingConfig
+from .preference import DPOConfig, KTOConfig
 from .rl import RLConfig
 from .sections import (
     CheckpointConfig,
