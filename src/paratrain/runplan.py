@@ -157,7 +157,7 @@ def pipeline_blocks(task: Task, pp: int) -> int:
     """The blocks a pipeline splits: the task's own `pipeline_blocks` (the built-in Llama / GPT
     of a task whose spec pipelines); any other model (Hugging Face, a user's module) is refused
     in one line that names it as the user knows it."""
-    blocks = getattr(task, "pipeline_blocks", None)
+    blocks = task.pipeline_blocks
     if blocks is None:
         from .tasks.user import UserTask
         model = ("your own nn.Module (Trainer(model=...))" if isinstance(task, UserTask) else

@@ -18,11 +18,11 @@ from ..data.cache import PreparedData
 from ..dist import DistEnv
 from ..formatting import human_count
 from ..models.hf import HFArgs
-from .base import MemoryProbe, NoFrozenModels, TaskRecords, TokenLoss
+from .base import MemoryProbe, Task, TaskRecords, TokenLoss
 
 
 @dataclass
-class LMTask(NoFrozenModels, TokenLoss):
+class LMTask(TokenLoss, Task):
     """A language model on a tokenized corpus (the data cache built by data/cache.py)."""
     cfg: TrainConfig
     prepared: PreparedData
