@@ -47,6 +47,28 @@ class KTOConfig:
 
 
 
+@dataclass
+class ORPOConfig:
+    """Odds-ratio preference optimization (trainer.objective=orpo): no reference model; see
+    tasks/preference/orpo.py (TRL's ORPOTrainer)."""
+    beta: float = 0.1
+    """The weight of the odds-ratio term beside the chosen response's NLL (TRL's beta, the
+    paper's lambda)."""
+
+
+@dataclass
+class SimPOConfig:
+    """SimPO (trainer.objective=simpo): no reference model; see tasks/preference/orpo.py (TRL's
+    CPOTrainer with loss_type=simpo; TRL's defaults)."""
+    beta: float = 0.1
+    """The scale of the margin between the mean log-probs (the SimPO paper uses 2 to 2.5)."""
+    gamma: float = 0.5
+    """The target reward margin (TRL's simpo_gamma)."""
+    cpo_alpha: float = 1.0
+    """The weight of the chosen responses' NLL (TRL's cpo_alpha; 0: the SimPO paper's loss
+    alone)."""
+
+
 # dpo.loss: tasks/preference/dpo.py's DPO_LOSSES computes each one
 DPO_LOSSES = ("sigmoid", "ipo", "ipo_sum", "hinge")
 
@@ -125,3 +147,29 @@ def check_kto(cfg: Any) -> None:
     if cfg.dpo.reference is not None:
         _check_reference(cfg.dpo.reference, cfg.model.path,
                          cfg.data.tokenizer if cfg.data.tokenizer != "auto" else cfg.model.path)
+
+
+def check_orpo(cfg: Any) -> None:
+    """orpo.*: a positive beta; no reference keys (ORPO has none)."""
+    _no_reference(cfg, "orpo")
+    if not cfg.orpo.beta > 0:
+        raise ConfigError(f"orpo.beta={cfg.orpo.beta} must be positive (TRL's default: 0.1)")
+
+
+def check_simpo(cfg: Any) -> None:
+    """simpo.*: a positive beta, an NLL weight of 0 or more; no reference keys."""
+    _no_reference(cfg, "simpo")
+    p = cfg.simpo
+    if not p.beta > 0:
+        raise ConfigError(f"simpo.beta={p.beta} must be positive (TRL's default: 0.1; the "
+                          "SimPO paper: 2 to 2.5)")
+    if not p.cpo_alpha >= 0:
+        raise ConfigError(f"simpo.cpo_alpha={p.cpo_alpha} must be 0 or more (1.0: TRL's "
+                          "default; 0: SimPO's loss alone)")
+
+
+def _no_reference(cfg: Any, objective: str) -> None:
+    if cfg.dpo.reference is not None or cfg.dpo.precompute_reference:
+        raise ConfigError(f"dpo.reference and dpo.precompute_reference apply to "
+                          f"trainer.objective=dpo or kto; {objective} uses no reference model: "
+                          "leave them unset")

@@ -24,7 +24,14 @@ from typing import Any, Callable, Optional
 from ..errors import ConfigError
 from .embedding import check_embedding
 from .model_folder import model_config
-from .preference import PREFERENCE_FIELDS, check_dpo, check_kto, check_preference_fields
+from .preference import (
+    PREFERENCE_FIELDS,
+    check_dpo,
+    check_kto,
+    check_orpo,
+    check_preference_fields,
+    check_simpo,
+)
 from .rl import check_rl
 
 
@@ -203,6 +210,16 @@ register(TaskSpec(
     generate="paratrain.models.hf:generate_hf_reply",
     summary="KTO: a pretrained causal LM on desirable / undesirable completions (preference "
             "pairs, or prompt/completion/label records), against a frozen reference"))
+register(TaskSpec(
+    "preference", "paratrain.tasks.preference.orpo:ORPOTask", pretrained=True, objective="orpo",
+    record_fields=PREFERENCE_FIELDS, checks=(check_preference_fields, check_orpo),
+    generate="paratrain.models.hf:generate_hf_reply",
+    summary="ORPO: a pretrained causal LM on preference pairs, odds ratio + NLL, no reference"))
+register(TaskSpec(
+    "preference", "paratrain.tasks.preference.orpo:SimPOTask", pretrained=True,
+    objective="simpo", record_fields=PREFERENCE_FIELDS,
+    checks=(check_preference_fields, check_simpo), generate="paratrain.models.hf:generate_hf_reply",
+    summary="SimPO: a pretrained causal LM on preference pairs, a margin on mean log-probs"))
 register(TaskSpec(
     "embedding", "paratrain.tasks.embedding.embedder:EmbeddingTask", pretrained=True,
     objective="embedding", record_fields=("anchor", "positive"), checks=(check_embedding,),

@@ -25,7 +25,7 @@ from .defaults import default_run_name, resolve_max_length, resolve_tokenizer
 from .docs import suggest_key, unknown_key_message
 from .registry import TaskSpec, for_config
 from .embedding import EmbeddingConfig
-from .preference import DPOConfig, KTOConfig
+from .preference import DPOConfig, KTOConfig, ORPOConfig, SimPOConfig
 from .rl import RLConfig
 from .sections import (
     CheckpointConfig,
@@ -55,6 +55,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
+    orpo: ORPOConfig = field(default_factory=ORPOConfig)
+    simpo: SimPOConfig = field(default_factory=SimPOConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
