@@ -248,13 +248,13 @@ def _prepare_on_nodes(cfg: TrainConfig, nodes: Any, env: DistEnv,
     them at once, each its part (data/node_share.py); then, as for any other data, node 0
     goes first: a cache in a shared folder is built once and reused by the others, a node
     with a folder of its own builds its own copy."""
-    if given is None and cfg.task.load().reads_corpus \
+    if given is None and cfg.task_spec.load().reads_corpus \
             and nodes.nnodes > 1 and not cfg.distributed.elastic:
         from .data.cache import prepare_data
         share = nodes.data_share(cfg.cache_dir)
         if share.splits:
             prepare_data(cfg.corpus_data, cfg.cache_dir, log=lambda m: log(env, m),
-                         packed=cfg.task.packed, nodes=share)
+                         packed=cfg.task_spec.packed, nodes=share)
         else:
             log(env, share.line(cfg.cache_dir))
     return nodes.first_then_others("data", lambda: prepare_task(cfg, env, given))

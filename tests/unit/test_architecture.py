@@ -138,7 +138,7 @@ def test_packages_import_only_the_layers_below_them():
 
 
 def test_the_task_is_decided_in_one_place():
-    """`registry.for_config` (which task a config trains) is called by TrainConfig.task alone:
+    """`registry.for_config` (which task a config trains) is called by TrainConfig.task_spec:
     everything else reads the config's decision."""
     callers = set()
     for f in sorted(PKG.rglob("*.py")):
@@ -151,7 +151,8 @@ def test_the_task_is_decided_in_one_place():
 
 
 def _names_in(node: ast.AST) -> set[str]:
-    """Every name and attribute an expression reads (`cfg.task.load()`: cfg, task, load)."""
+    """Every name and attribute an expression reads (`cfg.task_spec.load()`: cfg, task_spec,
+    load)."""
     return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
             if isinstance(n, (ast.Name, ast.Attribute))}
 

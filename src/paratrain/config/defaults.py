@@ -52,7 +52,7 @@ def default_run_name(cfg: Any) -> str:
     folder = Path(cfg.model.path).expanduser()
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", (folder.name or folder.resolve().name)).strip("-.")
     try:
-        chosen = cfg.task
+        chosen = cfg.task_spec
     except ConfigError:  # validate says why, in its own words
         chosen = spec
     return (f"{stem or 'model'}-{cfg.data.format}"

@@ -8,7 +8,7 @@ compares `data.format` to a string.
 
 One format may serve several tasks: preference records train a DPO policy or a reward model
 (`trainer.objective`), and input->output pairs train a causal LM or an encoder-decoder model
-(what model.path is). `for_config` picks the one task of a config, once, for `TrainConfig.task`
+(what model.path is). `for_config` picks the one task of a config, once, for `TrainConfig.task_spec`
 (which carries the decision from then on); `get` is a format's first (default) task; `recorded`
 the task a run's config.yaml recorded.
 

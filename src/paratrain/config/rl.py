@@ -75,7 +75,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 def check_rl(cfg: Any) -> None:
     """rl.*: at least one reward, known loss and scaling names, sampling options in range."""
-    r, objective = cfg.rl, cfg.task.objective
+    r, objective = cfg.rl, cfg.task_spec.objective
     if not (r.reward_functions or r.reward_models):
         raise ConfigError(f"trainer.objective={objective} needs a reward: "
                           "rl.reward_functions=[module:function] (f(prompts, completions) -> "

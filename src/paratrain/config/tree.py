@@ -133,12 +133,12 @@ class TrainConfig:
         it again."""
         d = self.to_dict()
         if record_task:
-            d["trainer"]["objective"] = self.task.objective
+            d["trainer"]["objective"] = self.task_spec.objective
         return OmegaConf.to_yaml(redact_secrets(d) if redact else d)
 
     # ---- derived values -----------------------------------------------------------------
     @cached_property
-    def task(self) -> TaskSpec:
+    def task_spec(self) -> TaskSpec:
         """The task this config trains (data.format, trainer.objective and model.path's kind:
         `registry.for_config`), decided once, when the config is built and checked, and carried
         with it: pickled to the workers with the config, read by the forkserver, the memory plan

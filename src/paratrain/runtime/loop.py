@@ -72,7 +72,7 @@ class TrainLoop:
         # samples, and only the first of them counts its sums (`counts_sums`)
         dims = plan.dims
         self.dp, self.data_rank, self.counts_sums = dims.dp, dims.data_rank(env.rank), \
-            dims.counts(env.rank)
+            dims.reports_sums(env.rank)
         self.sampler = GlobalSampler(len(task.train_ds), self.dp, self.data_rank,
                                      tr.seed, shuffle=cfg.data.shuffle,
                                      drop_last=cfg.data.drop_last,

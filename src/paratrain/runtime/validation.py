@@ -59,7 +59,7 @@ class Validation:
         self.pipeline, self.progress = pipeline, progress
         # a tensor-parallel group reads the same samples; only its first rank's sums count
         self.dp, self.data_rank = plan.dims.dp, plan.dims.data_rank(env.rank)
-        self.counts_sums = plan.dims.counts(env.rank)
+        self.counts_sums = plan.dims.reports_sums(env.rank)
 
     def _batch(self, mb: Any) -> tuple[Any, int, dict]:
         """(loss sum, loss units, counts) for one validation micro-batch. A task may count more

@@ -232,7 +232,7 @@ class PretrainedTask(Task):
     @property
     def model_info(self) -> dict:
         return {"arch": "hf", "path": self.cfg.model.path, "format": self.cfg.data.format,
-                "objective": self.cfg.task.objective}  # the registry's, decided once
+                "objective": self.cfg.task_spec.objective}  # the registry's, decided once
 
     def memory_probe(self) -> Optional[MemoryProbe]:
         return None
