@@ -210,4 +210,4 @@ def test_its_guide_example_runs_as_printed(tmp_path, inputs, key):
         assert args[0] == "paratrain", args
         r = run_cli(args[1:], cwd=tmp_path, timeout=400)
         assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr[-3000:])
-    assert [len(read_metrics(run)) for run in (tmp_path / "runs").iterdir()] == [4]
+    assert [read_summary(run)["steps"] for run in (tmp_path / "runs").iterdir()] == [4]
