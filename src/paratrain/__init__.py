@@ -23,10 +23,11 @@ from .errors import (
 )
 
 _LAZY = {"Trainer": "trainer", "RunResult": "trainer", "TrainConfig": "config.tree",
-         "DistEnv": "dist", "load_model": "models.files"}
+         "DistEnv": "dist", "load_model": "models.files", "Task": "tasks.base",
+         "UserTask": "tasks.user"}
 
-__all__ = ["Trainer", "TrainConfig", "RunResult", "DistEnv", "load_model", "ParatrainError",
-           "ConfigError", "DataError", "RunDirError", "TrainingError", "CheckpointError"]
+__all__ = ["Trainer", "TrainConfig", "RunResult", "Task", "UserTask", "DistEnv", "load_model",
+           "ParatrainError", "ConfigError", "DataError", "RunDirError", "TrainingError", "CheckpointError"]
 __version__ = "0.1.0"
 
 

@@ -94,7 +94,7 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     accum, global_batch = batch_plan(tr.batch_size, dims.dp * replicas, tr.global_batch_size)
     if dims.pp > 1:  # the accumulation micro-batches are the pipeline's
         check_schedule(parallelism, accum, tr.batch_size * dims.dp * replicas)
-    repeat = int(getattr(task, "steps_per_batch", 1))  # each batch trained on this many steps
+    repeat = int(task.steps_per_batch)  # each batch trained on this many steps
     per_epoch = steps_per_epoch(len(task.train_ds), global_batch, task,
                                 cfg.data.drop_last) * repeat
     ranks_here = ranks_on_host or local_world_size
@@ -171,7 +171,7 @@ def pipeline_blocks(task: Task, pp: int) -> int:
     """The blocks a pipeline splits: the task's own `pipeline_blocks` (the built-in Llama / GPT
     of a task whose spec pipelines); any other model (Hugging Face, a user's module) is refused
     in one line that names it as the user knows it."""
-    blocks = getattr(task, "pipeline_blocks", None)
+    blocks = task.pipeline_blocks
     if blocks is None:
         from .tasks.user import UserTask
         model = ("your own nn.Module (Trainer(model=...))" if isinstance(task, UserTask) else

@@ -104,6 +104,9 @@ class Trainer:
             if model is not None or train_data is not None:
                 raise ConfigError("task= a Task object brings its own model and data: leave "
                                   "model= and train_data= out")
+            if not isinstance(task, Task):  # the loop reads the contract's defaults from it
+                raise ConfigError(f"task= must be a paratrain.Task (or UserTask) subclass; "
+                                  f"{type(task).__name__} is not one")
             self.given, finetune = task, ["run.name=custom"]
         elif isinstance(model, (str, Path)) and train_prompts is not None:  # preference lists
             from .tasks.preference.pairs import rows_from_preference_lists
@@ -247,13 +250,13 @@ def _prepare_on_nodes(cfg: TrainConfig, nodes: Any, env: DistEnv,
     them at once, each its part (data/node_share.py); then, as for any other data, node 0
     goes first: a cache in a shared folder is built once and reused by the others, a node
     with a folder of its own builds its own copy."""
-    if given is None and getattr(cfg.task.load(), "reads_corpus", False) \
+    if given is None and cfg.task_spec.load().reads_corpus \
             and nodes.nnodes > 1 and not cfg.distributed.elastic:
         from .data.cache import prepare_data
         share = nodes.data_share(cfg.cache_dir)
         if share.splits:
             prepare_data(cfg.corpus_data, cfg.cache_dir, log=lambda m: log(env, m),
-                         packed=cfg.task.packed, nodes=share)
+                         packed=cfg.task_spec.packed, nodes=share)
         else:
             log(env, share.line(cfg.cache_dir))
     return nodes.first_then_others("data", lambda: prepare_task(cfg, env, given))

@@ -58,7 +58,7 @@ def _texts() -> list[str]:
     return [r["prompt"] + r["chosen"] + r["rejected"] for r in preference_rows(300, 99)]
 
 
-def make_tiny_llama(out: Path, seed: int = 0) -> Path:
+def make_preference_llama(out: Path, seed: int = 0) -> Path:
     """A LlamaForCausalLM folder (hidden 32, 2 layers, fp32 safetensors) with its tokenizer."""
     return make_hf_llama(out, _texts(), vocab_size=320, hidden_size=32, max_positions=128,
                          seed=seed)

@@ -12,8 +12,8 @@ def preference_llama(tmp_path_factory) -> Path:
     """The tiny causal Llama of the preference tests (DPO, reward models): one model folder
     that they read and never change."""
     pytest.importorskip("transformers")
-    from tests.e2e._preference_data import make_tiny_llama
-    return make_tiny_llama(tmp_path_factory.mktemp("preference-llama"))
+    from tests.e2e._preference_data import make_preference_llama
+    return make_preference_llama(tmp_path_factory.mktemp("preference-llama"))
 
 
 @pytest.fixture(scope="session")

@@ -83,7 +83,7 @@ def test_saved_model_reproduces_validation_loss(trained_run, cache_dir):
     cfg = TrainConfig.from_yaml(run_dir / "config.yaml")
     model, tok = load_model(run_dir)
     prepared = prepare_data(cfg.data, cfg.cache_dir, log=lambda m: None)
-    val = build_dataset(prepared, "val", cfg.data, packed=cfg.task.packed)
+    val = build_dataset(prepared, "val", cfg.data, packed=cfg.task_spec.packed)
     n = min(len(val), 64)
     batch = collate([val[i] for i in EvalSampler(n, 1, 0)])
     with torch.no_grad():

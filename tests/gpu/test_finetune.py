@@ -8,7 +8,11 @@ import json
 import pytest
 
 from tests.conftest import read_metrics, read_summary, run_cli
-from tests.e2e._preference_data import make_tiny_llama, small_run_args, write_preference_data
+from tests.e2e._preference_data import (
+    make_preference_llama,
+    small_run_args,
+    write_preference_data,
+)
 
 pytestmark = pytest.mark.timeout(400)
 pytest.importorskip("transformers")
@@ -19,7 +23,7 @@ ON_GPU = {"trainer.devices": "cuda:0", "trainer.precision": "bf16-mixed",
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp("gpu-llama"))
+    return make_preference_llama(tmp_path_factory.mktemp("gpu-llama"))
 
 
 @pytest.fixture(scope="module")

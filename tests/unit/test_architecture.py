@@ -138,7 +138,7 @@ def test_packages_import_only_the_layers_below_them():
 
 
 def test_the_task_is_decided_in_one_place():
-    """`registry.for_config` (which task a config trains) is called by TrainConfig.task alone:
+    """`registry.for_config` (which task a config trains) is called by TrainConfig.task_spec:
     everything else reads the config's decision."""
     callers = set()
     for f in sorted(PKG.rglob("*.py")):
@@ -148,3 +148,27 @@ def test_the_task_is_decided_in_one_place():
                     or getattr(node.func, "id", None) == "for_config"):
                 callers.add(_module_name(f))
     assert callers == {"paratrain.config.tree"}, callers
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    """Every name and attribute an expression reads (`cfg.task_spec.load()`: cfg, task_spec,
+    load)."""
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def test_no_task_is_asked_what_it_has_outside_its_base_class():
+    """The loop, validation, the plans and the launcher read the Task contract (tasks/base.py:
+    every seam with a default), never `getattr` / `hasattr` on a task."""
+    asked = []
+    for f in sorted(PKG.rglob("*.py")):
+        if f == PKG / "tasks" / "base.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                    "getattr", "hasattr") and node.args and any(
+                    "task" in name.lower() for name in _names_in(node.args[0])):
+                asked.append(f"{f.relative_to(PKG.parent)}:{node.lineno} "
+                             f"{ast.unparse(node)}")
+    assert not asked, "a task asked what it has (declare it on tasks/base.Task):\n" + \
+        "\n".join(asked)

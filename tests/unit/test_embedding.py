@@ -112,7 +112,7 @@ def test_bad_embedding_keys_are_one_line(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig.from_yaml(None, args + [override])
     cfg = TrainConfig.from_yaml(None, args)
-    assert cfg.task.task.endswith("EmbeddingTask") and json.dumps(cfg.embedding.scale) == "20.0"
+    assert cfg.task_spec.task.endswith("EmbeddingTask") and json.dumps(cfg.embedding.scale) == "20.0"
 
 
 def test_setfit_pairs_are_drawn_from_the_labels():

@@ -54,5 +54,5 @@ def test_bad_kto_keys_are_one_line(tmp_path, override, message):
     llama = _model_folder(tmp_path, "llama", model_type="llama", vocab_size=300)
     with pytest.raises(ConfigError, match=message):
         _cfg(llama, "trainer.objective=kto", override)
-    assert _cfg(llama, "trainer.objective=kto").task.task.endswith("KTOTask")
+    assert _cfg(llama, "trainer.objective=kto").task_spec.task.endswith("KTOTask")
     assert json.dumps(_cfg(llama, "trainer.objective=kto").kto.beta) == "0.1"

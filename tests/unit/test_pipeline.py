@@ -30,7 +30,7 @@ def test_the_pipeline_is_the_outermost_dimension():
     assert dims.world == 4 and dims.dp == 2 and dims.stage_world == 2
     assert [dims.pp_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert [dims.data_rank(r) for r in range(4)] == [0, 1, 0, 1]  # stages read the same
-    assert [dims.counts(r) for r in range(4)] == [False, False, True, True]  # the loss's stage
+    assert [dims.reports_sums(r) for r in range(4)] == [False, False, True, True]  # the loss's stage
     assert dims.to_dict() == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 1}
     assert dims.label == "pp=2 x dp_replicate=2"
 

@@ -95,10 +95,26 @@ def test_the_task_is_decided_once_and_travels_with_the_config(monkeypatch):
                         registry.for_config(cfg))
     cfg = TrainConfig.from_yaml(None, ["data.format=padded"])
     clone = pickle.loads(pickle.dumps(cfg))
-    assert clone.task == cfg.task == registry.get("padded") and len(calls) == 1
+    assert clone.task_spec == cfg.task_spec == registry.get("padded") and len(calls) == 1
     assert "objective: lm" in cfg.to_yaml(record_task=True)
     assert "objective: auto" in cfg.to_yaml()
     assert registry.recorded("preference", "reward").task.endswith("RewardTask")
     assert registry.recorded("pairs", "auto") == registry.get("pairs")
     with pytest.raises(ConfigError, match="data.format=pairs trains no trainer.objective='dpo'"):
         registry.recorded("pairs", "dpo")
+
+
+def test_a_task_object_must_be_a_task_subclass_and_gets_every_default():
+    """Trainer(task=) takes a paratrain.Task (the loop reads the contract's defaults from it);
+    anything else is refused in one line. A UserTask has every optional seam's default."""
+    import torch
+
+    from paratrain import Task, Trainer
+    with pytest.raises(ConfigError, match=r"^task= must be a paratrain.Task \(or UserTask\) "
+                                          r"subclass; object is not one$"):
+        Trainer(task=object())
+    task = _Numbers(lambda: torch.nn.Linear(2, 1), [torch.zeros(2)] * 64)
+    assert isinstance(task, Task) and task.build_frozen() == {} and task.memory_probe() is None
+    assert task.progress_keys == () and task.eval_block is None and not task.reads_corpus
+    assert task.pipeline_blocks is None and task.rollout(None, ["mb"], 0, None, None) == (
+        ["mb"], {})

@@ -51,10 +51,10 @@ def test_tensor_parallel_resolves_once_into_dimensions(requested, world, local, 
 def test_a_tp_group_reads_one_slice_of_the_batch_and_counts_it_once():
     dims = ParallelDims(dp_shard=2, tp=2)  # ranks (0, 1) and (2, 3) are the TP groups
     assert [dims.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
-    assert [dims.counts(r) for r in range(4)] == [True, False, True, False]
+    assert [dims.reports_sums(r) for r in range(4)] == [True, False, True, False]
     assert dims.dp == 2 and dims.world == 4 and dims.label == "dp_shard=2 x tp=2"
     plain = DDP().layout(4)
-    assert [plain.data_rank(r) for r in range(4)] == [0, 1, 2, 3] and plain.counts(3)
+    assert [plain.data_rank(r) for r in range(4)] == [0, 1, 2, 3] and plain.reports_sums(3)
 
 
 @pytest.mark.parametrize("tp, world, local, group, message", [

@@ -157,3 +157,55 @@ def test_kto_loss_equals_trls_over_16_steps(llama, tmp_path):
         if name in logged:
             assert figures[name] == pytest.approx(logged[name], abs=1e-5), name
     assert figures["kl"] >= 0
+
+
+def trl_pairs(pairs: list[dict], pad: int) -> dict:
+    """TRL's ORPO / CPO batch of the same token ids: each side's whole sequences, right-padded,
+    their attention masks and labels (-100 over the prompt and the pads)."""
+    out = {}
+    for side in ("chosen", "rejected"):
+        rows = [torch.as_tensor(p[side]) for p in pairs]
+        labels = [torch.cat([torch.full((p["prompt_len"],), -100), r[p["prompt_len"]:]])
+                  for p, r in zip(pairs, rows)]
+        out[f"{side}_input_ids"] = pad_sequence(rows, batch_first=True, padding_value=pad)
+        out[f"{side}_attention_mask"] = pad_sequence(
+            [torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True)
+        out[f"{side}_labels"] = pad_sequence(labels, batch_first=True, padding_value=-100)
+    return out
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_orpo_and_simpo_equal_trls_step_after_step(llama, tmp_path, objective):
+    """trainer.objective=orpo is TRL's ORPOTrainer, simpo its CPOTrainer with loss_type=simpo
+    (trl.experimental in TRL 1.16): 8 steps of one pair, the policy trained by paratrain's loss
+    in between, each step's loss equal to TRL's compute_loss within 1e-5; then on a batch of 4
+    pairs the figures TRL averages per pair (rewards, accuracy, log odds) are TRL's."""
+    from datasets import Dataset
+    rows = preference_rows(12, seed=3)
+    if objective == "orpo":
+        from trl.experimental.orpo import ORPOConfig as TRLConfig, ORPOTrainer as TRLTrainer
+        keys, kw = ["orpo.beta=0.3"], {"beta": 0.3}
+    else:
+        from trl.experimental.cpo import CPOConfig as TRLConfig, CPOTrainer as TRLTrainer
+        keys = ["simpo.beta=2.0", "simpo.gamma=0.7", "simpo.cpo_alpha=0.4"]
+        kw = {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.7, "cpo_alpha": 0.4}
+    task, model, frozen = prepared(llama, tmp_path, rows, "data.format=preference",
+                                   f"trainer.objective={objective}", *keys)
+    assert frozen == {}  # no reference model
+    trainer = TRLTrainer(model=model, args=trl_args(TRLConfig, tmp_path, **kw),
+                         train_dataset=Dataset.from_list(rows), processing_class=task.tokenizer)
+    pad = task.tokenizer.pad_token_id
+    model.train()
+    for step in range(8):
+        pair = [task.train_ds[step]]
+        s, n, _ = task.train_counts(model, task.collate(pair), CPU, AMP, frozen)
+        theirs = trainer.compute_loss(model, trl_pairs(pair, pad))
+        assert n == 1 and abs(s.item() - theirs.item()) <= 1e-5, (step, s.item(), theirs.item())
+        _train_in_step(model, s / n)
+    pairs = [task.train_ds[i] for i in range(8, 12)]
+    _, _, counts = task.train_counts(model, task.collate(pairs), CPU, AMP, frozen)
+    _, logged = trainer.compute_loss(model, trl_pairs(pairs, pad), return_outputs=True)
+    figures = task.train_metrics({k: float(v) for k, v in counts.items()})
+    names = ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]
+    for name in names + (["log_odds_ratio", "log_odds_chosen"] if objective == "orpo" else []):
+        assert figures[name] == pytest.approx(float(logged[name]), abs=1e-5), name

@@ -85,7 +85,7 @@ def export_finetuned(url: str, marker: dict, out: str | Path, *, merge: bool = F
             raise ConfigError(f"the run's chat template data.chat_template={template!r} is gone; "
                               "the export carries it as the run's model/ does: put it back")
         verify_snapshot(url)  # every file, the tokenizer's too, before any is used
-        task = cfg.task.load().without_data(cfg, marker["model"])
+        task = cfg.task_spec.load().without_data(cfg, marker["model"])
         torch.manual_seed(cfg.trainer.seed)  # as the run built it (the snapshot fills it all)
         model = prepare_model(task.build_model(), marker.get("precision") or "fp32")
         options = state_options(model)

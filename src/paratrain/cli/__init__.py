@@ -148,7 +148,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def _task_probe(cfg: "TrainConfig") -> Any:
     """A fine-tuning task's model (and its frozen models) for the memory plan; None: the
     config's own model (model.arch llama/gpt)."""
-    if not cfg.task.pretrained:
+    if not cfg.task_spec.pretrained:
         return None
     from ..dist import DistEnv
     from ..errors import ConfigError

@@ -18,7 +18,8 @@ from .sections import (
     RunConfig,
     TrainerConfig,
 )
-from .objectives import DPOConfig, EmbeddingConfig, KTOConfig
+from .embedding import EmbeddingConfig
+from .preference import DPOConfig, KTOConfig
 from .rl import RLConfig
 from .tree import TrainConfig
 

@@ -56,7 +56,7 @@ def validate(cfg: Any) -> None:
     check_choice("model.arch", cfg.model.arch, ARCHS + ("hf",))
     check_choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
     check_choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
-    spec = cfg.task  # decided once; an unknown name lists the registered ones
+    spec = cfg.task_spec  # decided once; an unknown name lists the registered ones
     check_choice("data.padded_overflow", cfg.data.padded_overflow, ("truncate", "split"))
     check_choice("data.records", cfg.data.records, RECORDS)
     check_data_format(cfg, spec)

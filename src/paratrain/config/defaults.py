@@ -51,7 +51,7 @@ def default_run_name(cfg: Any) -> str:
         return PRETRAINING_RUN_NAME
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", display_name(cfg.model.path)).strip("-.")
     try:
-        chosen = cfg.task
+        chosen = cfg.task_spec
     except ConfigError:  # validate says why, in its own words
         chosen = spec
     return (f"{stem or 'model'}-{cfg.data.format}"

@@ -8,7 +8,7 @@ compares `data.format` to a string.
 
 One format may serve several tasks: preference records train a DPO policy or a reward model
 (`trainer.objective`), and input->output pairs train a causal LM or an encoder-decoder model
-(what model.path is). `for_config` picks the one task of a config, once, for `TrainConfig.task`
+(what model.path is). `for_config` picks the one task of a config, once, for `TrainConfig.task_spec`
 (which carries the decision from then on); `get` is a format's first (default) task; `recorded`
 the task a run's config.yaml recorded.
 
@@ -18,13 +18,20 @@ Adding a task is one module (its Task class) plus one `register(TaskSpec(...))` 
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
+from .embedding import check_embedding
 from .model_folder import model_config
+from .preference import (
+    PREFERENCE_FIELDS,
+    check_dpo,
+    check_kto,
+    check_orpo,
+    check_preference_fields,
+    check_simpo,
+)
 from .rl import check_grpo, check_ppo, check_rloo
 
 
@@ -111,6 +118,11 @@ def for_config(cfg: Any) -> TaskSpec:
 
 
 
+def specs() -> tuple[TaskSpec, ...]:
+    """Every registered task, format by format (a format's default first)."""
+    return tuple(s for name in _TASKS for s in _of(name))
+
+
 def names(pretrained: Optional[bool] = None) -> tuple[str, ...]:
     """Registered names in registration order (only those that do / do not fine-tune)."""
     return tuple(n for n, s in _TASKS.items() if pretrained is None or s.pretrained == pretrained)
@@ -162,108 +174,6 @@ def _check_classify(cfg: Any) -> None:
                           "names of the text and label fields of the records")
 
 
-DPO_LOSSES = ("sigmoid", "ipo", "ipo_sum", "hinge")
-
-
-def _check_preference(cfg: Any) -> None:
-    d = cfg.data
-    fields = {"data.prompt_field": d.prompt_field, "data.chosen_field": d.chosen_field,
-              "data.rejected_field": d.rejected_field}
-    if not all(fields.values()) or len(set(fields.values())) < 3:
-        raise ConfigError("data.format=preference needs three different record fields: "
-                          + ", ".join(f"{k}={v!r}" for k, v in fields.items()))
-
-
-def _check_dpo(cfg: Any) -> None:
-    """dpo.*: a positive beta, a known loss, label smoothing for the sigmoid loss only, and a
-    reference model (when given) that reads the same token ids as the policy."""
-    p = cfg.dpo
-    if not p.beta > 0:
-        raise ConfigError(f"dpo.beta={p.beta} must be positive (the DPO paper uses 0.1 to 0.5)")
-    if p.loss not in DPO_LOSSES:
-        raise ConfigError(f"dpo.loss={p.loss!r} is not one of: {', '.join(DPO_LOSSES)}")
-    if not 0.0 <= p.label_smoothing < 0.5:
-        raise ConfigError(f"dpo.label_smoothing={p.label_smoothing} must be in [0, 0.5) (the "
-                          "assumed share of flipped preference labels)")
-    if p.label_smoothing and p.loss != "sigmoid":
-        raise ConfigError(f"dpo.label_smoothing applies to dpo.loss=sigmoid, not {p.loss}; "
-                          "set it to 0")
-    if p.reference is not None:
-        _check_reference(p.reference, cfg.model.path,
-                         cfg.data.tokenizer if cfg.data.tokenizer != "auto" else cfg.model.path)
-
-
-def _check_reference(reference: str, policy: str, tokenizer: str) -> None:
-    folder = Path(reference).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"dpo.reference={reference!r} is not a model folder with a "
-                          "config.json; give a local from_pretrained folder (nothing is "
-                          "downloaded) or leave dpo.reference unset (the policy's start)")
-    vocab = (model_config(folder).get("vocab_size"), model_config(policy).get("vocab_size"))
-    if vocab[0] != vocab[1]:
-        raise ConfigError(f"dpo.reference={reference!r} has vocab_size={vocab[0]}, model.path "
-                          f"{vocab[1]}: a reference must score the policy's token ids; use a "
-                          "model with the same tokenizer")
-    mine, theirs = _vocabulary(Path(tokenizer).expanduser()), _vocabulary(folder)
-    if mine is not None and theirs is not None and mine != theirs:
-        differ = len(set(mine.items()) ^ set(theirs.items()))
-        raise ConfigError(f"dpo.reference={reference!r} has another tokenizer than the policy's "
-                          f"({differ} token ids differ): a reference must score the same token "
-                          "ids; use a model trained with the same tokenizer")
-
-
-def _vocabulary(folder: Path) -> Optional[dict]:
-    """token -> id of a folder's tokenizer.json (special tokens included); None without one."""
-    try:
-        tok = json.loads((folder / "tokenizer.json").read_text())
-    except (OSError, ValueError):
-        return None
-    vocab = dict(tok.get("model", {}).get("vocab") or {})
-    vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
-    return vocab
-
-
-def _check_kto(cfg: Any) -> None:
-    """kto.*: a positive beta and positive weights; the reference as DPO's, not precomputed."""
-    p = cfg.kto
-    if not p.beta > 0:
-        raise ConfigError(f"kto.beta={p.beta} must be positive (TRL's default: 0.1)")
-    for key in ("desirable_weight", "undesirable_weight"):
-        if not getattr(p, key) > 0:
-            raise ConfigError(f"kto.{key}={getattr(p, key)} must be positive (1.0: TRL's "
-                              "default; raise the weight of the rarer kind of example)")
-    if cfg.dpo.precompute_reference:
-        raise ConfigError("dpo.precompute_reference applies to trainer.objective=dpo; KTO "
-                          "scores each batch's mismatched sequences with the reference: set it "
-                          "to false")
-    if cfg.dpo.reference is not None:
-        _check_reference(cfg.dpo.reference, cfg.model.path,
-                         cfg.data.tokenizer if cfg.data.tokenizer != "auto" else cfg.model.path)
-
-
-EMBEDDING_POOLINGS = ("mean", "cls", "last")
-
-
-def _check_embedding(cfg: Any) -> None:
-    """embedding.*: a known pooling and a positive scale."""
-    e = cfg.embedding
-    if e.pooling not in EMBEDDING_POOLINGS:
-        raise ConfigError(f"embedding.pooling={e.pooling!r} is not one of: "
-                          f"{', '.join(EMBEDDING_POOLINGS)} (last: for decoder-only models)")
-    if e.pair_iterations < 1:
-        raise ConfigError(f"embedding.pair_iterations={e.pair_iterations} must be at least 1 "
-                          "(SetFit's default: 20)")
-    if not e.scale > 0:
-        raise ConfigError(f"embedding.scale={e.scale} must be positive (sentence-transformers' "
-                          "default: 20, a temperature of 0.05)")
-    if cfg.data.format == "embedding" and not cfg.data.drop_last:
-        raise ConfigError("data.format=embedding gathers the in-batch negatives from every "
-                          "worker, which needs the same number of pairs on each: leave "
-                          "data.drop_last=true (a short last batch is dropped)")
-
-
-PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
-
 register(TaskSpec(
     "packed", "paratrain.tasks.pretraining:LMTask", packed=True, pipelined=True,
     summary="a language model on a corpus cut into full windows of data.seq_length tokens"))
@@ -285,31 +195,41 @@ register(TaskSpec(
     summary="a pretrained model with a sequence-classification head on labelled texts"))
 register(TaskSpec(
     "preference", "paratrain.tasks.preference.dpo:DPOTask", pretrained=True, objective="dpo",
-    record_fields=PREFERENCE_FIELDS, checks=(_check_preference, _check_dpo),
+    record_fields=PREFERENCE_FIELDS, checks=(check_preference_fields, check_dpo),
     generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as pairs' inputs
     summary="DPO: a pretrained causal LM on prompt/chosen/rejected records, against a frozen "
             "reference"))
 register(TaskSpec(
     "preference", "paratrain.tasks.preference.reward:RewardTask", pretrained=True, objective="reward",
-    record_fields=PREFERENCE_FIELDS, checks=(_check_preference,), encoder_decoder=None,
+    record_fields=PREFERENCE_FIELDS, checks=(check_preference_fields,), encoder_decoder=None,
     generate="paratrain.tasks.preference.reward:generate_score",
     summary="a reward model (a one-score head) on preference pairs, Bradley-Terry loss"))
 register(TaskSpec(
     "preference", "paratrain.tasks.preference.kto:KTOTask", pretrained=True, objective="kto",
-    record_fields=PREFERENCE_FIELDS, checks=(_check_kto,),
+    record_fields=PREFERENCE_FIELDS, checks=(check_kto,),
     generate="paratrain.models.hf:generate_hf_reply",
     summary="KTO: a pretrained causal LM on desirable / undesirable completions (preference "
             "pairs, or prompt/completion/label records), against a frozen reference"))
 register(TaskSpec(
+    "preference", "paratrain.tasks.preference.orpo:ORPOTask", pretrained=True, objective="orpo",
+    record_fields=PREFERENCE_FIELDS, checks=(check_preference_fields, check_orpo),
+    generate="paratrain.models.hf:generate_hf_reply",
+    summary="ORPO: a pretrained causal LM on preference pairs, odds ratio + NLL, no reference"))
+register(TaskSpec(
+    "preference", "paratrain.tasks.preference.orpo:SimPOTask", pretrained=True,
+    objective="simpo", record_fields=PREFERENCE_FIELDS,
+    checks=(check_preference_fields, check_simpo), generate="paratrain.models.hf:generate_hf_reply",
+    summary="SimPO: a pretrained causal LM on preference pairs, a margin on mean log-probs"))
+register(TaskSpec(
     "embedding", "paratrain.tasks.embedding.embedder:EmbeddingTask", pretrained=True,
-    objective="embedding", record_fields=("anchor", "positive"), checks=(_check_embedding,),
+    objective="embedding", record_fields=("anchor", "positive"), checks=(check_embedding,),
     encoder_decoder=None, generate="paratrain.tasks.embedding.embedder:generate_embedding",
     summary="a sentence-embedding model (an encoder or decoder, pooled) on anchor/positive"
             "[/negative] records (in-batch negatives gathered over every worker) or scored "
             "text1/text2 pairs (cosine similarity)"))
 register(TaskSpec(
     "classify", "paratrain.tasks.embedding.setfit:SetFitTask", pretrained=True, objective="setfit",
-    record_fields=("text", "label"), checks=(_check_classify, _check_embedding),
+    record_fields=("text", "label"), checks=(_check_classify, check_embedding),
     encoder_decoder=None, generate="paratrain.tasks.embedding.setfit:generate_setfit_label",
     summary="SetFit: an embedding model trained on pairs drawn from labelled texts, then a "
             "logistic-regression head"))

@@ -110,7 +110,7 @@ def check_ppo(cfg: Any) -> None:
 def check_rl(cfg: Any, min_generations: int) -> None:
     """rl.*: at least one reward, known loss and scaling names, sampling options in range;
     `min_generations`: the fewest completions per prompt the objective learns from."""
-    r, objective = cfg.rl, cfg.task.objective
+    r, objective = cfg.rl, cfg.task_spec.objective
     if not (r.reward_functions or r.reward_models):
         raise ConfigError(f"trainer.objective={objective} needs a reward: "
                           "rl.reward_functions=[module:function] (f(prompts, completions, "

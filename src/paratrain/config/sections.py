@@ -1,5 +1,5 @@
 """The sections of the configuration tree (run, model, data, trainer, optim, checkpoint,
-distributed, log, plan; dpo, kto and embedding in objectives.py, rl in rl.py): typed
+distributed, log, plan; dpo and kto in preference.py, embedding in embedding.py, rl in rl.py): typed
 dataclasses that OmegaConf checks. The docstring under each field is that key's one
 description: `paratrain config show`, the unknown-key error and the docs' Config keys page are
 made from it (config/docs.py). tree.py joins them into `TrainConfig`.

@@ -27,7 +27,8 @@ from .model_folder import resolve_models
 from .defaults import default_run_name, resolve_max_length, resolve_tokenizer
 from .docs import suggest_key, unknown_key_message
 from .registry import TaskSpec, for_config
-from .objectives import DPOConfig, EmbeddingConfig, KTOConfig
+from .embedding import EmbeddingConfig
+from .preference import DPOConfig, KTOConfig, ORPOConfig, SimPOConfig
 from .rl import RLConfig
 from .sections import (
     CheckpointConfig,
@@ -57,6 +58,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
+    orpo: ORPOConfig = field(default_factory=ORPOConfig)
+    simpo: SimPOConfig = field(default_factory=SimPOConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -142,12 +145,12 @@ class TrainConfig:
         it again."""
         d = self.to_dict()
         if record_task:
-            d["trainer"]["objective"] = self.task.objective
+            d["trainer"]["objective"] = self.task_spec.objective
         return OmegaConf.to_yaml(redact_secrets(d) if redact else d)
 
     # ---- derived values -----------------------------------------------------------------
     @cached_property
-    def task(self) -> TaskSpec:
+    def task_spec(self) -> TaskSpec:
         """The task this config trains (data.format, trainer.objective and model.path's kind:
         `registry.for_config`), decided once, when the config is built and checked, and carried
         with it: pickled to the workers with the config, read by the forkserver, the memory plan

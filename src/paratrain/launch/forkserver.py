@@ -135,7 +135,7 @@ def with_environ(environ: Mapping[str, str], entrypoint: Callable[..., Any], *ar
 def worker_modules(cfg: Any) -> list[str]:
     """What a worker of this config imports before its first step. A name that does not import
     is skipped by the server (its worker then fails as a spawned one would)."""
-    spec = cfg.task
+    spec = cfg.task_spec
     modules = ["paratrain.trainer", spec.task.split(":")[0]]
     if spec.pretrained:
         kind = str(model_config(cfg.model.path).get("model_type", "")).replace("-", "_")

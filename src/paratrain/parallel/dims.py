@@ -77,7 +77,7 @@ class ParallelDims:
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
-    def counts(self, rank: int) -> bool:
+    def reports_sums(self, rank: int) -> bool:
         """Whether this rank's loss sums and sample counts are added up: one rank per TP group
         (its peers computed the same numbers from the same batch), on the pipeline's last stage
         (where the loss is)."""

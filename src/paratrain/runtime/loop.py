@@ -72,7 +72,7 @@ class TrainLoop:
         # samples, and only the first of them counts its sums (`counts_sums`)
         dims = plan.dims
         self.dp, self.data_rank, self.counts_sums = dims.dp, dims.data_rank(env.rank), \
-            dims.counts(env.rank)
+            dims.reports_sums(env.rank)
         self.sampler = GlobalSampler(len(task.train_ds), self.dp, self.data_rank,
                                      tr.seed, shuffle=cfg.data.shuffle,
                                      drop_last=cfg.data.drop_last,
@@ -178,13 +178,11 @@ class TrainLoop:
 
     def _rollout(self, micro: list[Any]) -> tuple[list[Any], dict]:
         """A task that learns from its own samples (online RL, tasks/rl/grpo.py) turns the step's
-        prompts into scored completions first (`rollout`), with figures summed like `counts`."""
-        rollout = getattr(self.task, "rollout", None)
-        if rollout is None:
-            return micro, {}
+        prompts into scored completions first (`rollout`), with figures summed like `counts`;
+        any other task's `rollout` gives the micro-batches back as they are."""
         self.progress.at(self.state.step + 1, "rollout")
         amp = self.plan.parallelism.autocast(self.plan.precision, self.env.device)
-        return rollout(self.model, micro, self.state.step, self.env, amp, self.frozen)
+        return self.task.rollout(self.model, micro, self.state.step, self.env, amp, self.frozen)
 
     def _log(self, result: StepResult, evaluate: bool, out: _Outputs) -> None:
         """A log line: the window's loss over every rank (and the task's training figures),
@@ -205,7 +203,7 @@ class TrainLoop:
         out.metrics.write(last)
         st.last = last
         shown = {k.rpartition("/")[2]: f"{last[k]:.3g}"  # the task's own (online RL: reward
-                 for k in getattr(self.task, "progress_keys", ()) if k in last}  # and times)
+                 for k in self.task.progress_keys if k in last}  # and times)
         out.bar.update(0, loss=f"{loss:.3f}", lr=f"{last['lr']:.2e}", **shown)
 
     def _epoch_memory(self, bar: ProgressBar) -> None:
@@ -318,10 +316,7 @@ class TrainLoop:
         sums those like the loss, and `train_metrics` turns the sums into logged figures."""
         dev = self.env.device
         amp = self.plan.parallelism.autocast(self.plan.precision, dev)
-        counts = getattr(self.task, "train_counts", None)
-        if counts is not None:
-            return counts(self.model, mb, dev, amp, self.frozen)
-        return (*self.task.loss(self.model, mb, dev, amp, self.frozen), {})
+        return self.task.train_counts(self.model, mb, dev, amp, self.frozen)
 
     def evaluate(self) -> Optional[float]:
         """The validation loss at this step (exact: runtime/validation.py); the task's other

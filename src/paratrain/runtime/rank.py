@@ -279,7 +279,7 @@ def prepare_task(cfg: TrainConfig, env: DistEnv,
     say = (lambda m: None) if quiet else (lambda m: log(env, m))
     if given is not None and not isinstance(given, TaskRecords):
         return given
-    return cfg.task.load().prepare(cfg, env, given, say)
+    return cfg.task_spec.load().prepare(cfg, env, given, say)
 
 
 def plan_on_ranks(cfg: TrainConfig, env: DistEnv, task: Task) -> RunPlan:

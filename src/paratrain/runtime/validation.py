@@ -59,17 +59,14 @@ class Validation:
         self.pipeline, self.progress = pipeline, progress
         # a tensor-parallel group reads the same samples; only its first rank's sums count
         self.dp, self.data_rank = plan.dims.dp, plan.dims.data_rank(env.rank)
-        self.counts_sums = plan.dims.counts(env.rank)
+        self.counts_sums = plan.dims.reports_sums(env.rank)
 
     def _batch(self, mb: Any) -> tuple[Any, int, dict]:
         """(loss sum, loss units, counts) for one validation micro-batch. A task may count more
         than the loss (`eval_counts`, e.g. right predictions): `run` sums those too."""
         dev = self.env.device
         amp = self.plan.parallelism.autocast(self.plan.precision, dev)
-        counts = getattr(self.task, "eval_counts", None)
-        if counts is None:
-            return (*self.task.loss(self.model, mb, dev, amp, self.frozen), {})
-        return counts(self.model, mb, dev, amp, self.frozen)
+        return self.task.eval_counts(self.model, mb, dev, amp, self.frozen)
 
     @torch.no_grad()
     def run(self, step: int) -> tuple[Optional[float], Optional[dict]]:
@@ -85,8 +82,7 @@ class Validation:
         if n == 0:
             return None, None
         b = self.plan.micro_batch
-        block = getattr(self.task, "eval_block", None)
-        batches = eval_batches(n, self.dp, self.data_rank, b, block)
+        batches = eval_batches(n, self.dp, self.data_rank, b, self.task.eval_block)
         was_training = self.model.training
         self.model.eval()
         if self.pipeline is not None:  # forward only through the stages; the last one sums
@@ -117,8 +113,8 @@ class Validation:
         bar.close()
         self.model.train(was_training)
         metrics = None
-        if hasattr(self.task, "eval_metrics"):  # every rank ran >= 1 batch: the same keys
+        if extra:  # every rank ran >= 1 batch of the same task: the same keys
             keys = sorted(extra)
-            summed = env.all_reduce_sum([extra[k] for k in keys] or [0.0]).tolist()
+            summed = env.all_reduce_sum([extra[k] for k in keys]).tolist()
             metrics = self.task.eval_metrics(dict(zip(keys, summed)))
         return env.weighted_mean(total, count), metrics

@@ -1,38 +1,23 @@
 """What is being trained: the model, its data, its loss, and how the result is saved.
 
-The loop is the same for every task; what differs lives behind `Task`, a typing.Protocol. The
-tasks are found by `data.format` in the registry (config/registry.py): `LMTask` (pretraining.py, a
-language model on a corpus), the fine-tuning tasks on a pretrained Hugging Face model (hf.py's
-shared base; sft.py, classify.py), and, outside the registry, the user's own model and data
-(`UserTask`, user.py) or any Task object handed to `Trainer(task=...)`.
+The loop is the same for every task; what differs lives behind `Task`, the base class every task
+extends: its required members and its optional seams, each with a default, are the one contract
+the loop, validation, the run plan, the memory plan and the launcher read (nothing else asks a
+task whether it has something). The tasks are found by `data.format` and `trainer.objective` in
+the registry (config/registry.py): `LMTask` (pretraining.py, a language model on a corpus), the
+tasks on a pretrained Hugging Face model (hf.py's shared base; sft.py, classify.py, seq2seq.py and
+the families in preference/, embedding/, rl/), and, outside the registry, the user's own model
+and data (`UserTask`, user.py) or any Task subclass handed to `Trainer(task=...)`.
 The unit the loss counts (tokens, texts, samples) is called a *loss unit* everywhere: the loop
 weights gradients by it, and throughput (`tokens_per_s` in the files, `unit_name` per second)
 counts it, so pads are never counted.
-A task may also count more than the loss at validation (optional, not in the protocol):
-`eval_counts(model, batch, device, amp, frozen)` -> (loss sum, loss units, {name: count}) and
-`eval_metrics({name: summed count})` -> figures reported with the validation loss; the loop sums
-the counts over every validation sample once and over all ranks (classify.py: accuracy). A task
-whose validation scores samples against each other sets `eval_block` (an int): its validation
-batches are then blocks of that many consecutive samples, the same on any number of ranks
-(embedding.py: retrieval).
-Likewise while training: `train_counts(model, batch, device, amp, frozen)` -> (loss sum, loss
-units, {name: count}) replaces `loss` when a task has it, and `train_metrics({name: summed
-count})` -> figures logged with the loss; the loop sums the counts over micro-steps and ranks
-exactly like the loss, and carries them through snapshots (preference.py: DPO's rewards).
-A task may need models that are run but not trained (DPO's reference, a distillation teacher):
-`build_frozen()` gives them by name; the run builds, places and shards them with the trained
-model's parallelism, keeps them out of the optimizer and the snapshots, counts their memory, and
-hands them to `loss` as `frozen`.
-A task whose model a pipeline may cut into stages says how many blocks it has
-(`pipeline_blocks`, pretraining.py: the built-in Llama / GPT of a spec with `pipelined`); without it
-trainer.pipeline_parallel > 1 is refused in one line.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -64,55 +49,124 @@ class TaskRecords:
     val: Optional[list] = None
 
 
-class Task(Protocol):
-    """What the loop needs from a task."""
+class Task:
+    """What the loop needs from a task: the members every task gives, then the optional seams,
+    each with the default the run relies on when a task leaves it out. A task is a subclass (the
+    built-in ones are dataclasses; a mixin that overrides a seam goes before `Task` in the
+    bases). Nothing outside this class asks a task whether it has a member.
+
+    Every task gives:
+      `train_ds`, `val_ds` (map-style datasets; `val_ds` None: no validation), `collate`,
+      `build_model()`, `count_units(batch)`, `loss(...)`, `describe(n_params)`,
+      `shortage_message(global_batch)`, `model_info`, `save(model, out_dir, state)`; the
+      registered ones also a classmethod `prepare(cfg, env, records, log)`.
+    Optional, with their defaults below:
+      what the logs say (`sample_name`, `unit_name`, `perplexity`, `units_per_sample`), what the
+      model files and snapshots carry (`tokenizer_path`, `data_fingerprint`), FSDP's units
+      (`fsdp_wrap`); models run but not trained (`build_frozen`); figures counted beside the
+      loss (`train_counts` / `train_metrics`, `eval_counts` / `eval_metrics`, `eval_block`,
+      `progress_keys`); learning from its own samples (`rollout`); the memory plan
+      (`memory_probe`); a pipeline (`pipeline_blocks`); a multi-node data share
+      (`reads_corpus`)."""
     train_ds: Any  # map-style datasets
     val_ds: Any
-    fsdp_wrap: Sequence[type]  # module classes FSDP shards one by one (empty: the blocks)
-    sample_name: str  # how the batch log line names one sample ("sequences of 256 tokens")
-    unit_name: str  # what one loss unit is ("tokens", "texts", "samples"): throughput counts it
-    perplexity: bool  # the loss is a per-token cross-entropy: exp(loss) is worth logging
-    units_per_sample: Optional[int]  # loss units per sample when fixed; None: count per batch
-    tokenizer_path: Optional[Path]
-    data_fingerprint: Optional[str]
-    # optional: steps_per_batch (int, default 1): optimizer steps trained on each batch of data
-    # (online RL's rl.num_iterations: the data advances one batch per that many steps)
+    fsdp_wrap: Sequence[type] = ()  # module classes FSDP shards one by one (empty: the blocks)
+    sample_name: str = "samples"  # one sample in the batch log line ("sequences of 256 tokens")
+    unit_name: str = "samples"  # one loss unit ("tokens", "texts", "pairs"): throughput counts it
+    perplexity: bool = False  # the loss is a per-token cross-entropy: exp(loss) is worth logging
+    units_per_sample: Optional[int] = None  # loss units per sample when fixed; None: per batch
+    tokenizer_path: Optional[Path] = None  # the tokenizer file copied into model/
+    data_fingerprint: Optional[str] = None  # what the data was, recorded in snapshots
+    # A task whose validation scores samples against each other (embedding/: retrieval): its
+    # validation batches are blocks of this many consecutive samples, the same on any world size.
+    eval_block: ClassVar[Optional[int]] = None
+    # Keys of the logged figures also shown on the progress bar (online RL: reward and times).
+    progress_keys: ClassVar[tuple[str, ...]] = ()
+    # It reads the token cache of a corpus (pretraining.py): nodes that share data.cache_dir
+    # build it together before any task is prepared (trainer.py).
+    reads_corpus: ClassVar[bool] = False
+    # The blocks a pipeline may cut into stages (pretraining.py: the built-in Llama / GPT of a
+    # spec with `pipelined`); None: trainer.pipeline_parallel > 1 is refused in one line.
+    pipeline_blocks: Optional[int] = None
+    # Optimizer steps trained on each batch of data (online RL's rl.num_iterations: the data
+    # advances one batch per that many steps).
+    steps_per_batch: int = 1
 
     @property
-    def collate(self) -> Callable[[list], Any]: ...
+    def collate(self) -> Callable[[list], Any]:
+        raise NotImplementedError(f"{type(self).__name__} gives no collate")
 
-    def build_model(self) -> nn.Module: ...
-
-    def build_frozen(self) -> dict[str, nn.Module]:
-        """Models run beside the trained one and never trained (empty for most tasks)."""
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} gives no build_model")
 
     def count_units(self, batch: Any) -> int:
         """Loss units in a collated batch."""
+        raise NotImplementedError(f"{type(self).__name__} gives no count_units")
 
     def loss(self, model: nn.Module, batch: Any, device: torch.device,
              amp: ContextManager, frozen: Frozen = NO_FROZEN) -> tuple[torch.Tensor, int]:
         """(sum of the loss over loss units, loss units) for one micro-batch."""
+        raise NotImplementedError(f"{type(self).__name__} gives no loss")
 
-    def describe(self, n_params: int) -> str: ...
+    def describe(self, n_params: int) -> str:
+        raise NotImplementedError(f"{type(self).__name__} gives no describe")
 
     def shortage_message(self, global_batch: int) -> str:
         """One line for a training set smaller than one global batch."""
+        raise NotImplementedError(f"{type(self).__name__} gives no shortage_message")
 
     @property
-    def model_info(self) -> dict: ...
-
-    def memory_probe(self) -> Optional[MemoryProbe]:
-        """How the memory plan can measure this model; None: it cannot (auto picks ddp)."""
+    def model_info(self) -> dict:
+        """What the snapshots and model/ record of the model (its arch, path, objective)."""
+        raise NotImplementedError(f"{type(self).__name__} gives no model_info")
 
     def save(self, model: nn.Module, out_dir: Path, state: dict) -> None:
         """Write the trained model (the unwrapped module, the full state dict) to out_dir."""
-
-
-class NoFrozenModels:
-    """For tasks that train one model and run no other."""
+        raise NotImplementedError(f"{type(self).__name__} gives no save")
 
     def build_frozen(self) -> dict[str, nn.Module]:
+        """Models run beside the trained one and never trained, by name (DPO's reference, a
+        teacher): the run builds, places and shards them with the trained model's parallelism,
+        keeps them out of the optimizer and the snapshots, counts their memory, and hands them
+        to `loss` as `frozen`. None by default."""
         return {}
+
+    def memory_probe(self) -> Optional[MemoryProbe]:
+        """How the memory plan (`paratrain plan`, strategy=auto) can measure this model; None:
+        it cannot (auto picks ddp)."""
+        return None
+
+    def train_counts(self, model: nn.Module, batch: Any, device: torch.device,
+                     amp: ContextManager, frozen: Frozen = NO_FROZEN
+                     ) -> tuple[torch.Tensor, int, dict]:
+        """(loss sum, loss units, {name: count}) for one training micro-batch: the loop sums the
+        counts over micro-steps and ranks exactly like the loss, carries them through snapshots
+        and logs `train_metrics` of them (preference/dpo.py: the rewards). By default the loss
+        alone."""
+        return (*self.loss(model, batch, device, amp, frozen), {})
+
+    def train_metrics(self, counts: dict) -> dict:
+        """The logged figures of `train_counts`' sums (called when there are counts)."""
+        return {}
+
+    def eval_counts(self, model: nn.Module, batch: Any, device: torch.device,
+                    amp: ContextManager, frozen: Frozen = NO_FROZEN
+                    ) -> tuple[torch.Tensor, int, dict]:
+        """As `train_counts`, at validation: summed over every validation sample once and over
+        all ranks (classify.py: right predictions). By default the loss alone."""
+        return (*self.loss(model, batch, device, amp, frozen), {})
+
+    def eval_metrics(self, counts: dict) -> dict:
+        """The figures reported with the validation loss, from `eval_counts`' sums (called when
+        there are counts: classify.py's accuracy)."""
+        return {}
+
+    def rollout(self, model: nn.Module, micro: list, step: int, env: Any, amp: ContextManager,
+                frozen: Frozen = NO_FROZEN) -> tuple[list, dict]:
+        """(the micro-batches the step trains on, {name: figure} summed like the counts): a task
+        that learns from its own samples (rl/grpo.py) turns the step's prompts into scored
+        completions here before the micro-steps run. By default the micro-batches as read."""
+        return micro, {}
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

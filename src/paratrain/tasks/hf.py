@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from ..fileio import atomic_dir
 from ..formatting import human_count
 from ..models.hf import make_portable, quiet_transformers
-from .base import MemoryProbe, NoFrozenModels, TaskRecords
+from .base import MemoryProbe, Task, TaskRecords
 
 
 class Encoder:
@@ -44,7 +44,7 @@ class Encoder:
 
 
 @dataclass
-class PretrainedTask(NoFrozenModels):
+class PretrainedTask(Task):
     """A pretrained Hugging Face model on encoded records (see module docstring)."""
     cfg: TrainConfig
     tokenizer: Any  # transformers' PreTrainedTokenizerBase
@@ -248,7 +248,8 @@ class PretrainedTask(NoFrozenModels):
 
     @property
     def model_info(self) -> dict:
-        return {"arch": "hf", "path": self.cfg.model.path, "format": self.cfg.data.format}
+        return {"arch": "hf", "path": self.cfg.model.path, "format": self.cfg.data.format,
+                "objective": self.cfg.task_spec.objective}  # the registry's, decided once
 
     def memory_probe(self) -> Optional[MemoryProbe]:
         return None

@@ -18,11 +18,11 @@ from ..data.cache import PreparedData
 from ..dist import DistEnv
 from ..formatting import human_count
 from ..models.hf import HFArgs
-from .base import MemoryProbe, NoFrozenModels, TaskRecords, TokenLoss
+from .base import MemoryProbe, Task, TaskRecords, TokenLoss
 
 
 @dataclass
-class LMTask(NoFrozenModels, TokenLoss):
+class LMTask(TokenLoss, Task):
     """A language model on a tokenized corpus (the data cache built by data/cache.py)."""
     cfg: TrainConfig
     prepared: PreparedData
@@ -43,7 +43,7 @@ class LMTask(NoFrozenModels, TokenLoss):
         from ..models import resolve_model_config
         data = cfg.corpus_data  # data.tokenizer=auto decided for the model (config/defaults.py)
         if env.is_local_master:
-            prepared = prepare_data(data, cfg.cache_dir, log=log, packed=cfg.task.packed)
+            prepared = prepare_data(data, cfg.cache_dir, log=log, packed=cfg.task_spec.packed)
         else:
             prepared = wait_for_data(data, cfg.cache_dir, timeout_s=3600.0)
         if cfg.model.arch == "hf":
@@ -52,8 +52,8 @@ class LMTask(NoFrozenModels, TokenLoss):
         vocab = cfg.model.vocab_size or prepared.vocab_size  # the tokenizer's
         args = HFArgs(cfg.model.path, vocab) if cfg.model.arch == "hf" else \
             resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
-        train = build_dataset(prepared, "train", cfg.data, packed=cfg.task.packed)
-        if not cfg.task.packed:  # padded: what long documents become
+        train = build_dataset(prepared, "train", cfg.data, packed=cfg.task_spec.packed)
+        if not cfg.task_spec.packed:  # padded: what long documents become
             n, extra = train.overflow_summary()
             if n:
                 log(f"data: {n} of {train.num_docs} training documents are longer than "
@@ -61,7 +61,7 @@ class LMTask(NoFrozenModels, TokenLoss):
                         f"data.padded_overflow=truncate drops their {extra:,} later tokens "
                         "(split keeps them as more rows)" if cfg.data.padded_overflow ==
                         "truncate" else f"split into {len(train)} rows in all"))
-        val = build_dataset(prepared, "val", cfg.data, packed=cfg.task.packed)
+        val = build_dataset(prepared, "val", cfg.data, packed=cfg.task_spec.packed)
         return cls(cfg, prepared, args, train, val)
 
     @property
@@ -88,13 +88,13 @@ class LMTask(NoFrozenModels, TokenLoss):
     @property
     def units_per_sample(self) -> Optional[int]:
         """Packed windows count every token; padded rows ignore their pads (count per batch)."""
-        return self.cfg.data.seq_length if self.cfg.task.packed else None
+        return self.cfg.data.seq_length if self.cfg.task_spec.packed else None
 
     @property
     def pipeline_blocks(self) -> Optional[int]:
         """The blocks a pipeline may cut into stages: the built-in model's, when its task
         pipelines (TaskSpec.pipelined, checked with the config); None: it cannot be cut."""
-        return self.args.num_layers if self.cfg.task.pipelined and not self.is_hf else None
+        return self.args.num_layers if self.cfg.task_spec.pipelined and not self.is_hf else None
 
     def describe(self, n_params: int) -> str:
         return f"model {self.args.arch}: {human_count(n_params)} parameters"

@@ -73,10 +73,6 @@ class Seq2SeqTask(TokenLoss, PretrainedTask):
         return (f"seq2seq model hf ({self.cfg.model.path}): {human_count(n_params)} parameters; "
                 f"tokenizer {self.tokenizer_dir} ({len(self.tokenizer)} tokens)")
 
-    @property
-    def model_info(self) -> dict:
-        return {**super().model_info, "objective": "seq2seq"}
-
 
 class _EncodeSeq2Seq(Encoder):
     def __init__(self, cfg: Any, tokenizer: Any, notes: list):

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..formatting import human_count
-from .base import NO_FROZEN, Frozen, MemoryProbe, NoFrozenModels, to_device
+from .base import NO_FROZEN, Frozen, MemoryProbe, Task, to_device
 
 
 def batch_len(batch: Any) -> int:
@@ -32,7 +32,7 @@ def batch_len(batch: Any) -> int:
 
 
 @dataclass
-class UserTask(NoFrozenModels):
+class UserTask(Task):
     """The user's own model and data (see `Trainer(model=..., train_data=...)`)."""
     model_factory: Callable[[], nn.Module]
     train_ds: Any

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # -- the same data and model as paratrain's run --
     prepared = prepare_data(cfg.corpus_data, cfg.cache_dir)  # already cached by `paratrain bench`
-    train_ds = build_dataset(prepared, "train", cfg.data, packed=cfg.task.packed)
+    train_ds = build_dataset(prepared, "train", cfg.data, packed=cfg.task_spec.packed)
     sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True,
                                  seed=tr.seed, drop_last=True)
     loader = DataLoader(train_ds, batch_size=tr.batch_size, sampler=sampler, drop_last=True,

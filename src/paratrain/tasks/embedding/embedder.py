@@ -40,25 +40,37 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ...config.embedding import POOLINGS
 from ...config.model_folder import refuse_encoder_decoder
 from ...errors import ConfigError
 from ..base import NO_FROZEN, Frozen, to_device
 from ..hf import Encoder, PretrainedTask
 
 EVAL_BLOCK = 16  # held-out pairs ranked against each other: the same on any number of workers
-POOLINGS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
-            "last": "pooling_mode_lasttoken"}  # sentence-transformers' Pooling keys
+
+
+def _mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.unsqueeze(-1).to(hidden.dtype)  # (N, T, 1)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
+
+def _cls(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return hidden[:, 0]
+
+
+def _last(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    last = mask.sum(-1) - 1  # (N,) the last real token
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+# each of config/embedding.POOLINGS (what embedding.pooling accepts), computed
+POOL: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "mean": _mean, "cls": _cls, "last": _last}
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
     """(N, T, H) hidden states, (N, T) attention mask (right-padded) -> (N, H) embeddings."""
-    if pooling == "cls":
-        return hidden[:, 0]
-    if pooling == "last":
-        last = mask.sum(-1) - 1  # (N,) the last real token
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-    m = mask.unsqueeze(-1).to(hidden.dtype)  # (N, T, 1)
-    return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    return POOL[pooling](hidden, mask)
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -223,10 +235,6 @@ class EmbeddingTask(PretrainedTask):
         e = self.cfg.embedding
         return (f"embedding model ({e.pooling} pooling, scale {e.scale}"
                 f"{', symmetric' if e.symmetric else ''}): " + super().describe(n_params))
-
-    @property
-    def model_info(self) -> dict:
-        return {**super().model_info, "objective": "embedding"}
 
 
 def _hidden_size(folder: Path) -> int:

@@ -99,7 +99,7 @@ class SetFitTask(EmbeddingTask):
 
     @property
     def model_info(self) -> dict:
-        return {**super().model_info, "objective": "setfit", "labels": list(self.label_names)}
+        return {**super().model_info, "labels": list(self.label_names)}
 
 
 def write_head(folder: Path, labelled: list, names: Sequence[str], pad_id: int) -> None:

@@ -1,1 +1,1 @@
-"""Preference training (DPO, KTO, reward models): the pair and KTO records, the reference cache, the losses."""
+"""Preference training (DPO, KTO, ORPO, SimPO, reward models): the pair and KTO records, the reference cache, the losses."""

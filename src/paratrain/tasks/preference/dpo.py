@@ -72,7 +72,7 @@ def _hinge(z: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
 
 
 DPO_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
-    "sigmoid": _sigmoid, "ipo": _ipo, "ipo_sum": _ipo, "hinge": _hinge}  # registry.DPO_LOSSES
+    "sigmoid": _sigmoid, "ipo": _ipo, "ipo_sum": _ipo, "hinge": _hinge}  # config/preference.DPO_LOSSES
 PER_TOKEN_LOSSES = frozenset({"ipo"})  # z from log-ratios divided by each response's tokens
 
 
@@ -203,10 +203,6 @@ class DPOTask(PairTask, CausalLMTask):
         return (f"DPO ({p.loss} loss, beta {p.beta}) on model hf ({self.cfg.model.path}): "
                 f"{human_count(n_params)} parameters; reference: {self.reference.value}; "
                 f"tokenizer {self.tokenizer_dir} ({len(self.tokenizer)} tokens)")
-
-    @property
-    def model_info(self) -> dict:
-        return {**super().model_info, "objective": "dpo"}
 
 
 class _PairProbe:

@@ -89,10 +89,6 @@ class KTOTask(DPOTask):
                 f"reference: {self.reference.value}; tokenizer {self.tokenizer_dir} "
                 f"({len(self.tokenizer)} tokens)")
 
-    @property
-    def model_info(self) -> dict:
-        return {**super().model_info, "objective": "kto"}
-
 
 def _rows(batch: dict, rows: slice) -> dict:
     return {k: batch[k][rows] for k in ("input_ids", "attention_mask", "targets")}

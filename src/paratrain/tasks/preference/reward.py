@@ -88,10 +88,6 @@ class RewardTask(PairTask, PretrainedTask):
                 f"{human_count(n_params)} parameters; tokenizer {self.tokenizer_dir} "
                 f"({len(self.tokenizer)} tokens)")
 
-    @property
-    def model_info(self) -> dict:
-        return {**super().model_info, "objective": "reward"}
-
 
 def generate_score(model_dir: Path, prompt: str, opts: Any) -> str:
     """`paratrain generate` on a reward model's run: the score of --prompt (the whole text:

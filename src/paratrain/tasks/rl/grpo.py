@@ -305,10 +305,6 @@ class GRPOTask(CausalLMTask):
                 f"parameters; rewards: {', '.join(self.rewards.names + self.rewards.models)}; "
                 f"tokenizer {self.tokenizer_dir} ({len(self.tokenizer)} tokens)")
 
-    @property
-    def model_info(self) -> dict:
-        return {**super().model_info, "objective": "grpo"}
-
 
 def _lockstep(model: nn.Module, env: Any) -> Callable[[bool], bool]:
     """When this rank may stop sampling: when it is done, unless the model is sharded (FSDP /

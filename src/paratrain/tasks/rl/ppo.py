@@ -137,10 +137,6 @@ class PPOTask(GRPOTask):
         return (f"PPO (value head, kl_coef {rl.kl_coef}, {self.group} completions per "
                 f"prompt) on " + super().describe(n_params).split(" on ", 1)[1])
 
-    @property
-    def model_info(self) -> dict:
-        return {**super().model_info, "objective": "ppo"}
-
     def save(self, model: nn.Module, out_dir: Path, state: dict) -> None:
         """model/ holds the policy alone (a causal LM folder `generate` and transformers read)."""
         policy_state = {k[len("policy."):]: v for k, v in state.items()
