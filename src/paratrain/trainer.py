@@ -19,6 +19,7 @@ from torch import nn
 from .checkpoint.rundir import check_run_dir, hold_run_dir
 from .config import registry
 from .config.checks import attention_heads
+from .config.keywords import dot_value, unknown_keyword
 from .config.tree import TrainConfig
 from .dist import DistEnv, restart_attempt
 from .errors import ConfigError, Interrupted
@@ -129,7 +130,7 @@ class Trainer:
                               "map-style dataset) together, or neither")
         if reward_functions is not None:  # by name: the workers import them
             from .tasks.rl.rewards import reward_name
-            finetune.append("rl.reward_functions=" + _dot_value(
+            finetune.append("rl.reward_functions=" + dot_value(
                 [f if isinstance(f, str) else reward_name(f) for f in reward_functions]))
         if cfg is None:
             cfg = TrainConfig.from_yaml(None, finetune or (["run.name=custom"]
@@ -146,11 +147,11 @@ class Trainer:
         dotted = list(overrides)
         for k, v in kwargs.items():
             if k not in sections:
-                raise ConfigError(_unknown_keyword(k, v, sorted(sections)))
+                raise ConfigError(unknown_keyword(k, v, sorted(sections)))
             key = sections[k] if "." in sections[k] else f"{sections[k]}.{k}"
-            dotted.append(f"{key}={_dot_value(v)}")
+            dotted.append(f"{key}={dot_value(v)}")
         for k, v in (distributed_config or {}).items():
-            dotted.append(f"distributed.{k}={_dot_value(v)}")
+            dotted.append(f"distributed.{k}={dot_value(v)}")
         self.cfg = cfg.with_overrides(dotted) if dotted else cfg
         if self.given is None and model is not None and not isinstance(model, (str, Path)):
             self.given = UserTask(model, train_data, val_data, loss_fn, collate_fn,
@@ -364,40 +365,3 @@ def _finetune_records(model_dir: str, train_data: Any, val_data: Any, *lists: An
         return TaskRecords(train, val), over + recognised
     kind = task or registry.recognize(first).name
     return TaskRecords(train, val), over + [f"data.format={kind}"]
-
-
-# Hugging Face TrainingArguments' names for what Trainer() takes under its own
-_HF_NAMES = {"learning_rate": "lr", "num_train_epochs": "epochs", "max_grad_norm": "grad_clip",
-             "per_device_train_batch_size": "batch_size", "output_dir": "run_dir",
-             "overwrite_output_dir": "overwrite", "lr_scheduler_type": "schedule",
-             "optim": "optimizer"}
-
-
-def _unknown_keyword(name: str, value: Any, known: list[str]) -> str:
-    """The line for a keyword Trainer does not take; when it names a key of another section
-    (lora= is model.lora.r, pack= is data.pack), the overrides= spelling that works."""
-    import difflib
-
-    from .formatting import flatten
-    keys = flatten(TrainConfig().to_dict())
-    ours = _HF_NAMES.get(name) or next(iter(difflib.get_close_matches(name, known, 1, 0.8)), None)
-    if ours in known:
-        return (f"Trainer() got an unknown argument {name!r}; did you mean {ours}=? it takes "
-                f"trainer and optim keys by name: {', '.join(known)}")
-    dotted = [k for k in keys if k.endswith("." + name)] or \
-        [f"{k.rsplit('.', 1)[0]}.r" for k in keys if k.endswith(f".{name}.r")]
-    hint = (f"; it is the config key {dotted[0]}: pass overrides=[\"{dotted[0]}="
-            f"{_dot_value(value)}\"]" if dotted else "")
-    return (f"Trainer() got an unknown argument {name!r}{hint}; it takes trainer and optim keys "
-            f"by name: {', '.join(known)}")
-
-
-def _dot_value(v: Any) -> str:
-    """A Python value as OmegaConf's dotlist parser reads it back."""
-    if isinstance(v, (list, tuple)):
-        return "[" + ",".join(_dot_value(x) for x in v) + "]"
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
