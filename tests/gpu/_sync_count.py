@@ -49,11 +49,14 @@ def main(argv: list[str]) -> None:
     loop_module.TrainLoop._step = counted_step
     warnings.showwarning = note
     warnings.simplefilter("always")
-    torch.cuda.set_sync_debug_mode("warn")
+    on_gpu = torch.cuda.is_available()  # (on a CPU the plumbing runs, and counts nothing)
+    if on_gpu:
+        torch.cuda.set_sync_debug_mode("warn")
     try:
         Trainer(cfg).fit()
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode("default")
     ends = [n for _, n in starts[1:]] + [len(syncs)]
     steps = {step: syncs[begin:end] for (step, begin), end in zip(starts, ends)}
     tr = cfg.trainer

@@ -30,7 +30,7 @@ def _syncs_per_step(tmp, corpus_dir, cache_dir, nproc: int, **extra) -> list[dic
         "trainer.max_steps": 12, "trainer.log_every": 5, "trainer.eval_every": 1000,
         "trainer.progress_bar": True, **extra})
     if nproc > 1:
-        over += [f"trainer.devices={','.join(f'cuda:{i}' for i in range(nproc))}"]
+        over += [f"trainer.devices=cuda:{','.join(map(str, range(nproc)))}"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={nproc}", "-m", "tests.gpu._sync_count", str(tmp / "syncs")]
     r = run_cli(over + [f"run.dir={tmp / 'run'}"], cwd=tmp, timeout=300, launcher=launcher,
