@@ -82,3 +82,25 @@ def resave_snapshot(rank: int, world: int, port: int, overrides: list[str]) -> N
     finally:
         del model, optimizer, snapshots  # a live wrapped model at teardown can abort
         env.teardown()
+
+
+def host_group_checks(rank: int, world: int, port: int, result_path: str) -> None:
+    """runtime/host_group.py on 2 gloo ranks: rank 1 notes signal 15 from the third stop check
+    on; every rank's answers and a blocking sum go to result_path.RANK (JSON)."""
+    import json
+
+    from paratrain.runtime.host_group import HostGroup
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                  device=torch.device("cpu"), backend="gloo", timeout_s=60)
+    env.init()
+    try:
+        host = HostGroup(env)
+        signums = [0, 0, 15, 15, 15] if rank == 1 else [0] * 5
+        seen = [host.stop_agreed(s) for s in signums]
+        total = host.sum([rank + 1.0, 2.5])
+        host.drain()
+        with open(f"{result_path}.{rank}", "w") as f:
+            json.dump({"seen": seen, "sum": total}, f)
+    finally:
+        env.teardown()

@@ -52,6 +52,12 @@ def test_bench_rows_json_and_chart(tmp_path, corpus_dir, cache_dir):
     assert (by["ddp"]["world_size"], by["plain"]["world_size"]) == (2, 2)
     assert by["ddp"]["strategy"] == "ddp" and by["plain"]["vs_plain"] == 1.0
     assert 0 <= by["ddp"]["data_wait_fraction"] < 1
+    # side-by-side runs compared pair by pair, and the load the figures were taken under
+    assert by["plain"]["vs_plain_per_repeat"] == [1.0]
+    assert len(by["ddp"]["vs_plain_per_repeat"]) == 1 and by["ddp"]["vs_plain_paired_median"] > 0
+    assert len(report["machine"]["load_avg_at_start"]) == 3
+    assert len(report["machine"]["load_avg_1min_after_each_run"]) == 2
+    assert "ddp vs plain, repeat by repeat" in r.stdout and "load average" in r.stdout
     # the table on stdout, the chart next to bench.json (matplotlib is in the test extra)
     assert "vs plain" in r.stdout and "dp: skipped" in r.stdout
     if importlib.util.find_spec("matplotlib"):

@@ -4,8 +4,10 @@ the job leaves with exit code 128 + the signal number; the same command then res
 SIGTERM is what spot instances, Kubernetes and Slurm at the time limit send, SIGUSR1 is Slurm's
 warning (`#SBATCH --signal=USR1@90`), SIGINT is Ctrl-C. A signal may reach one rank, every rank
 (a terminal and Slurm signal every process), or only the launcher, whose elastic agent passes it
-on. A rank only notes it here; the loop agrees on it at the next step boundary (one small
-all-reduce), so every rank stops after the same step and writes the same snapshot.
+on. A rank only notes it here; the loop agrees on it at a step boundary (one small all-reduce
+on host memory, started at one boundary and read at the next, so it runs during a step:
+runtime/host_group.py), so every rank stops after the same step, the one in flight or the one
+after it, and writes the same snapshot.
 
 Copies of one signal arrive within moments of each other (the terminal's and the agent's, or
 Slurm's and the agent's): they count once. One that comes `FANOUT_S` or more after the first is

@@ -38,8 +38,9 @@ from ..records.metrics import MetricsLog, Throughput
 from ..runplan import RunPlan
 from ..tasks.base import NO_FROZEN, Frozen, Task
 from .early_stop import BestTracker
+from .host_group import HostGroup
 from .loader import step_loader
-from .loop_state import LoopFigures, LoopState, add_counts
+from .loop_state import LoopFigures, LoopState, add_counts, read_norm, unread
 from .validation import Validation
 
 
@@ -67,6 +68,7 @@ class TrainLoop:
                                                 tr.early_stopping_threshold))
         self.figures = LoopFigures()
         self.progress = watchdog.Progress()  # where this rank is, for the stalled-rank watchdog
+        self.host = HostGroup(env)  # the per-step stop check and unit count, off the device
         self.validation = Validation(plan, env, model, task, frozen, pipeline, self.progress)
         # data parallelism splits the batch; the ranks of a tensor-parallel group read the same
         # samples, and only the first of them counts its sums (`counts_sums`)
@@ -145,6 +147,7 @@ class TrainLoop:
                     self.stopped_early = st.best.why()
                     out.bar.write(f"early stopping at step {st.step}: {self.stopped_early}")
                     break
+            self.host.drain()  # the stop check started during the last step
         finally:
             self.figures.train_s += time.perf_counter() - t0
             out.close()
@@ -165,8 +168,8 @@ class TrainLoop:
         result = self._train_step(micro)
         if rolled:  # online RL: the step's time split into generation, scoring and learning
             rolled["learning_s"] = time.perf_counter() - t_learn
-        st.loss_sum += result.loss_sum
-        st.count += result.units
+        st.loss_sum = st.loss_sum + result.loss_sum  # (a device tensor: read at log steps)
+        st.count = st.count + result.units
         st.counts = add_counts(st.counts, {**result.counts, **rolled})
         st.step += 1
         if self.recorder is not None:  # every rank's sample ids of this step
@@ -188,10 +191,10 @@ class TrainLoop:
         """A log line: the window's loss over every rank (and the task's training figures),
         the validation loss when `evaluate`; written to metrics.jsonl and the sinks."""
         st, env = self.state, self.env
-        loss = env.weighted_mean(st.loss_sum, st.count)
+        loss = env.weighted_mean(float(st.loss_sum), float(st.count))  # the step's host syncs
         st.loss_sum = st.count = 0.0
         last = {"step": st.step, "epoch": (st.step - 1) // self.plan.steps_per_epoch,
-                "loss": loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                "loss": loss, "lr": result.lr, "grad_norm": read_norm(result.grad_norm),
                 **out.window.report()}
         if st.counts:  # the same keys on every rank: summed like the loss
             last.update(self.task.train_metrics(_sum_counts(env, st.counts)))
@@ -225,15 +228,16 @@ class TrainLoop:
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got a stop signal; every rank learns it at the same step boundary
-        (one all-reduce of one number per step when distributed)."""
+        (one all-reduce of one number per step when distributed, on the host group and
+        overlapped with the step: host_group.py)."""
         if self.stop is None:
             return False
-        self.stopped_by = int(self.env.max_over_ranks(self.stop.signum))
+        self.stopped_by = self.host.stop_agreed(self.stop.signum)
         return self.stopped_by != 0
 
     def _train_step(self, micro: list[Any]) -> StepResult:
         """One optimizer step over `accum` micro-batches."""
-        env, model, step = self.env, self.model, self.state.step
+        model, step = self.model, self.state.step
         per_sample = self.task.units_per_sample
         if per_sample is not None:  # every sample counts the same: no need to ask the others
             samples = self.sampler.samples_in_step(
@@ -242,7 +246,7 @@ class TrainLoop:
         else:  # padded rows: count the real tokens of the whole global batch first
             mine = sum(self.task.count_units(mb) for mb in micro if mb is not None) \
                 if self.counts_sums else 0
-            global_units = float(env.all_reduce_sum([mine])[0])
+            global_units = self.host.sum([mine])[0]
         # the data-parallel mean of the gradients undoes the `* dp`
         scale = self.dp / max(global_units, 1.0)
         if self.pipeline is not None:  # every micro-batch through this rank's stages
@@ -259,8 +263,6 @@ class TrainLoop:
             norm = self.pipeline.clip_grad_norm_(clip)
         else:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -272,9 +274,11 @@ class TrainLoop:
             self.figures.grads_bytes = local_bytes(p.grad for p in model.parameters())
         self.optimizer.zero_grad(set_to_none=True)
         if not self.counts_sums:  # a tensor-parallel peer or an earlier pipeline stage: the
-            loss_sum, units, counts = torch.zeros(()), 0, dict.fromkeys(counts, 0.0)  # last
-        return StepResult(float(loss_sum), float(units), float(norm), lr,  # stage counts
-                          global_units, {k: float(v) for k, v in counts.items()})
+            loss_sum, units, counts = 0.0, 0, dict.fromkeys(counts, 0.0)  # last stage counts
+        # the sums and the norm stay where they are (on a GPU: reading them is a host sync);
+        # the loop reads them at log steps only
+        return StepResult(unread(loss_sum), unread(units), norm.detach(), lr, global_units,
+                          {k: unread(v) for k, v in counts.items()})
 
     def _accumulate(self, micro: list[Any], scale: float) -> tuple[torch.Tensor, int, dict]:
         """Forward and backward of each micro-batch in turn, gradients synced on the last;
@@ -330,17 +334,18 @@ class TrainLoop:
 def _sum_counts(env: DistEnv, counts: dict) -> dict:
     """Counts summed over all ranks (every rank holds the same keys)."""
     keys = sorted(counts)
-    return dict(zip(keys, env.all_reduce_sum([counts[k] for k in keys]).tolist()))
+    return dict(zip(keys, env.all_reduce_sum([float(counts[k]) for k in keys]).tolist()))
 
 
 class StepResult(NamedTuple):
     """One optimizer step, as the loop logs it."""
-    loss_sum: float  # this rank's sum of losses (0 on a rank whose sums do not count)
-    units: float  # and its loss units
-    grad_norm: float  # the global gradient norm, before clipping
+    # float64 0-dim tensors on the device or floats, not read until a log step
+    loss_sum: Any  # this rank's sum of losses (0 on a rank whose sums do not count)
+    units: Any  # and its loss units
+    grad_norm: torch.Tensor  # the global gradient norm, before clipping (a DTensor if sharded)
     lr: float  # the learning rate the step used
     global_units: float  # the loss units of the whole global batch
-    counts: dict  # this rank's sums of the task's training counts (`train_counts`)
+    counts: dict  # this rank's sums of the task's training counts (`train_counts`), as loss_sum
 
 
 @dataclass

@@ -13,7 +13,9 @@ since a resumed run measures its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from ..checkpoint.snapshot_state import Resumed
 from .early_stop import BestTracker
@@ -25,9 +27,10 @@ class LoopState:
     rank's `to_snapshot()` (JSON) in marker["ranks"][rank]."""
     step: int = 0  # optimizer steps done
     # this rank's sums since the last log line: a resume continues the window, so the next
-    # logged loss comes out the same
-    loss_sum: float = 0.0
-    count: float = 0.0  # loss units
+    # logged loss comes out the same. Floats, or float64 0-dim tensors on the device between
+    # two log lines (read only when logged or saved: reading one on a GPU is a host sync)
+    loss_sum: Any = 0.0
+    count: Any = 0.0  # loss units
     counts: dict = field(default_factory=dict)  # the task's training counts (`train_counts`)
     best: BestTracker = field(default_factory=BestTracker)  # the same on every rank
     last: dict = field(default_factory=dict)  # the last log line (the run's final loss)
@@ -35,7 +38,8 @@ class LoopState:
     def to_snapshot(self) -> dict:
         """This rank's part of a snapshot (JSON). The loop replaces `counts` and `last` rather
         than changing them, so a background save writes the values of its step."""
-        return {"loss_sum": self.loss_sum, "count": self.count, "counts": self.counts,
+        return {"loss_sum": float(self.loss_sum), "count": float(self.count),
+                "counts": {k: float(v) for k, v in self.counts.items()},
                 "best": self.best.state_dict(), "last": self.last}
 
     def restore(self, resumed: Resumed, is_master: bool) -> None:
@@ -81,3 +85,18 @@ def add_counts(total: dict, *more: dict) -> dict:
         for key, value in counts.items():
             out[key] = out.get(key, 0.0) + value
     return out
+
+
+def unread(x: Any) -> Any:
+    """A sum to carry from step to step without reading it: a float, or a float64 0-dim tensor
+    left on its device (reading one on a GPU is a host sync; the value is the one float() would
+    give, and sums of either are the same float64 adds)."""
+    return x.detach().double() if isinstance(x, torch.Tensor) else float(x)
+
+
+def read_norm(norm: torch.Tensor) -> float:
+    """A step's gradient norm, read at a log step. Every rank calls it: a sharded model's norm
+    is a DTensor, whose whole value is a collective."""
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)

@@ -207,12 +207,13 @@ def token_loss(model: nn.Module, batch: dict, device: torch.device,
     """(sum of token losses, counted tokens) for one micro-batch of next-token targets
     (IGNORE_INDEX where not counted: pads, prompts). `label_smoothing` as torch's (and HF
     Trainer's LabelSmoother): (1 - e) x NLL + e x the mean NLL over the vocabulary."""
+    units = int((batch["targets"] != IGNORE_INDEX).sum())  # counted on the host: no GPU sync
     batch = to_device(batch, device)
     idx, targets = batch["input_ids"], batch["targets"]  # (B, T), (B, T)
     with amp:
         out = model(idx, attention_mask=batch.get("attention_mask"))
     logits = out.logits if hasattr(out, "logits") else out  # (B, T, V); HF returns an object
-    return token_loss_sum(logits, targets, label_smoothing), int((targets != IGNORE_INDEX).sum())
+    return token_loss_sum(logits, targets, label_smoothing), units
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor,

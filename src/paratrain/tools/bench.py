@@ -37,7 +37,7 @@ from ..launch import environment
 from ..parallel.memory_estimate import candidate_label
 from ..parallel.strategies import processes_per_node, resolve_parallelism
 from ..parallel.tensor import resolve_tensor_parallel
-from .bench_rows import format_table, gpu_peak_flops, plot, summarize
+from .bench_rows import format_table, gpu_peak_flops, paired_ratios, plot, summarize
 
 PLAIN = "plain"
 # Each row is a memory-plan candidate, named as the plan names it: (trainer.strategy, recompute,
@@ -283,16 +283,19 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
 
     results: dict[str, list[dict]] = {v.label: [] for v in variants}
     order = []
+    load_at_start = _loadavg()
     t_all = time.perf_counter()
     for rep in range(repeats):  # A B C, A B C: drift hits every row alike
         for v in variants:
             t0 = time.perf_counter()
             r = run_variant(b, v, rep)
+            r["load_avg_after"] = _loadavg()  # the machine's load over the run's minute
             results[v.label].append(r)
             order.append(f"{v.label}#{rep}")
             med = statistics.median(r["step_times_s"][warmup:])
+            load = f", load {r['load_avg_after'][0]:.1f}" if r["load_avg_after"] else ""
             say(f"{v.label} (repeat {rep + 1}/{repeats}): {med * 1e3:.1f} ms/step median, "
-                f"run took {time.perf_counter() - t0:.1f} s")
+                f"run took {time.perf_counter() - t0:.1f} s{load}")
     fpt = flops_per_token(margs, cfg.data.seq_length)
     table = [summarize(v, results[v.label], warmup, fpt, peak, devices[0].type == "cuda")
              for v in variants]
@@ -307,7 +310,11 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
         "machine": {"torch": torch.__version__, "cpu_count": environment.cpu_count(),
                     "gpu": torch.cuda.get_device_name(devices[0])
                     if devices[0].type == "cuda" else None,
-                    "peak_flops_per_device": peak, "load_avg_at_end": _loadavg()},
+                    "peak_flops_per_device": peak, "load_avg_at_start": load_at_start,
+                    "load_avg_at_end": _loadavg(),
+                    "load_avg_1min_after_each_run": [r["load_avg_after"][0] if r[
+                        "load_avg_after"] else None for rep in range(repeats)
+                        for r in (results[v.label][rep] for v in variants)]},
         "method": {"warmup_steps": warmup, "timed_steps_per_run": steps, "repeats": repeats,
                    "order": order, "statistic": "median of per-step wall times after warm-up, "
                    "pooled over repeats; spread = (p90 - p10) / median; cpu_vs_plain = the plain "
@@ -323,8 +330,12 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
         ref = None
     else:
         ref = next((r for r in table if r["label"] == PLAIN), None)
+        pairs = paired_ratios(results, PLAIN, warmup) if ref else {}
         for r in table:
             r["vs_plain"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None
+            r["vs_plain_per_repeat"] = pairs.get(r["label"])
+            r["vs_plain_paired_median"] = statistics.median(pairs[r["label"]]) \
+                if r["label"] in pairs else None
             r["cpu_vs_plain"] = (ref["step_cpu_median_s"] / r["step_cpu_median_s"]
                                  if ref and ref["step_cpu_median_s"] and r["step_cpu_median_s"]
                                  else None)
@@ -336,6 +347,16 @@ def run_bench(config_path: Optional[str], overrides: Sequence[str], *, scaling: 
         if r["ideal_bubble"] is not None:
             text += (f"\n{r['label']}: ideal pipeline bubble (equal forward and backward parts) "
                      f"= {100 * r['ideal_bubble']:.0f}% of a step")
+    for r in table:
+        if r.get("vs_plain_per_repeat") and r["label"] != PLAIN:
+            text += (f"\n{r['label']} vs plain, repeat by repeat (runs side by side): " +
+                     " ".join(f"{x:.3f}" for x in r["vs_plain_per_repeat"]) +
+                     f"; median {r['vs_plain_paired_median']:.3f}")
+    loads = report["machine"]
+    if loads["load_avg_at_start"] and loads["load_avg_at_end"]:
+        text += (f"\nload average (1 min) at the start {loads['load_avg_at_start'][0]:.2f}, "
+                 f"at the end {loads['load_avg_at_end'][0]:.2f} on {environment.cpu_count()} "
+                 "cores (above the core count the wall times say little: see cpu ms)")
     for s in skipped:
         text += f"\n{s['label']}: skipped: {s['reason']}"
     params = next((r["params"] for rs in results.values() for r in rs if r.get("params")), 0)

@@ -51,6 +51,16 @@ def summarize(v: Any, runs: list[dict], warmup: int, flops_per_token: float,
             "mfu": mfu, "final_loss": runs[-1]["final_loss"], "ideal_bubble": v.ideal_bubble}
 
 
+def paired_ratios(rows: dict[str, list[dict]], ref: str, warmup: int) -> dict[str, list[float]]:
+    """Each row's speed over the reference's, repeat by repeat: the runs of one repeat ran next
+    to each other (A B A B ...), so a pair shares the machine's load of its minutes, which the
+    pooled medians of a busy machine do not. A ratio is the reference's median step time over
+    the row's (above 1: the row is faster)."""
+    base = [statistics.median(r["step_times_s"][warmup:]) for r in rows[ref]]
+    return {label: [b / statistics.median(r["step_times_s"][warmup:])
+                    for b, r in zip(base, runs)] for label, runs in rows.items()}
+
+
 def _quantile(sorted_xs: list[float], q: float) -> float:
     """Linear-interpolated quantile of an already sorted list."""
     pos = q * (len(sorted_xs) - 1)
