@@ -93,6 +93,14 @@ class Task(Protocol):
 
     def describe(self, n_params: int) -> str: ...
 
+    def rollout(self, model: nn.Module, micro: list, step: int, env: Any, amp: ContextManager,
+                frozen: Frozen = NO_FROZEN) -> tuple[list, dict]:
+        """A step's micro-batches seen whole before any is trained on (optional: without it
+        they go through as read): online RL generates and scores completions (tasks/rl/), the
+        contrastive loss caches the gradient of the step's embeddings (GradCache,
+        tasks/embedding/grad_cache.py), KTO estimates its KL over the step. Returns (the
+        micro-batches to train on, figures summed like the training counts)."""
+
     def shortage_message(self, global_batch: int) -> str:
         """One line for a training set smaller than one global batch."""
 

@@ -14,8 +14,11 @@ On N workers each rank embeds its share and the candidates (and, for the symmetr
 anchors) are gathered from every rank *with their gradients* (`gather`: the backward pass sums
 each rank's gradient into the rank that computed the embedding), so a global batch of B pairs
 sees B - 1 in-batch negatives (plus the hard negatives) whatever the world size, and 1 and N
-workers run the same steps. With gradient accumulation the candidates are those of one
-micro-step of every rank. The loss unit is an anchor (a pair).
+workers run the same steps. With gradient accumulation the candidates are those of every
+micro-batch of the step on every rank (GradCache, grad_cache.py: the step is embedded first
+without gradients, then trained on one micro-batch at a time), so 1 worker with accumulation k
+runs the steps of k workers, with the activation memory of one micro-batch: the way to thousands
+of in-batch negatives on one device. The loss unit is an anchor (a pair).
 
 Validation is exact whatever the world size: its batches are blocks of EVAL_BLOCK consecutive
 held-out pairs (by global index, dealt to the workers in turn: runtime/validation.py), each pair
@@ -162,7 +165,8 @@ class EmbeddingTask(PretrainedTask):
 
     def load_pretrained(self) -> nn.Module:
         from ...models.hf import HFArgs, build_hf
-        return build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer), auto_class=self.auto_class))
+        return without_pooler(build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer),
+                                              auto_class=self.auto_class)))
 
     def count_units(self, batch: dict) -> int:
         return int(batch["input_ids"].shape[0]) // batch["columns"]
@@ -175,11 +179,32 @@ class EmbeddingTask(PretrainedTask):
         return pool(out.last_hidden_state.float(), batch["attention_mask"],
                     self.cfg.embedding.pooling).chunk(batch["columns"])
 
+    def rollout(self, model: nn.Module, micro: list, step: int, env: Any, amp: ContextManager,
+                frozen: Frozen = NO_FROZEN) -> tuple[list, dict]:
+        """Under gradient accumulation, the ranking loss of the whole step first (GradCache,
+        grad_cache.py): each micro-batch leaves with the gradient of its embeddings. Scored
+        pairs (each pair its own loss) and single micro-batches go through unchanged."""
+        if len(micro) == 1 or any(mb is None or "score" in mb for mb in micro):
+            return micro, {}
+        from .grad_cache import cache_step
+        e = self.cfg.embedding
+        batches = [to_device(mb, env.device) for mb in micro]
+        return cache_step(batches, lambda b: self.embed(model, b, amp),
+                          lambda a, docs: ranking_losses(a, docs, e.scale, e.symmetric),
+                          env.device), {}
+
     def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
                      amp: ContextManager, frozen: Frozen = NO_FROZEN
                      ) -> tuple[torch.Tensor, int, dict]:
-        """(sum of the anchors' losses, anchors, {}): candidates from every rank."""
+        """(sum of the anchors' losses, anchors, {}): candidates from every rank (and, when
+        `rollout` cached the step, from its every micro-batch)."""
         batch = to_device(batch, device)
+        cached = batch.get("cached")
+        if cached is not None:
+            from .grad_cache import surrogate
+            with cached.state.replayed():  # dropout: the masks of the cached pass
+                texts = self.embed(model, batch, amp)
+            return surrogate(texts, cached), texts[0].shape[0], {}
         texts = self.embed(model, batch, amp)
         if "score" in batch:
             return cosine_loss(texts, batch["score"])
@@ -227,6 +252,20 @@ class EmbeddingTask(PretrainedTask):
     @property
     def model_info(self) -> dict:
         return {**super().model_info, "objective": "embedding"}
+
+
+def without_pooler(model: nn.Module) -> nn.Module:
+    """The model without the pooler of BERT-like encoders (a dense layer over the first token,
+    trained for next-sentence prediction), which no pooling here reads (`cls` pools the first
+    token's hidden state, as sentence-transformers does). Left in, its parameters get no
+    gradient, and DDP, which expects a gradient for every trained parameter, stops at step 2.
+    Only classes built to run without one (their `add_pooling_layer`) lose it; the saved folder
+    then has no pooler weights (transformers initializes one if a loader asks for it)."""
+    import inspect
+    if isinstance(getattr(model, "pooler", None), nn.Module) and \
+            "add_pooling_layer" in inspect.signature(type(model).__init__).parameters:
+        model.pooler = None
+    return model
 
 
 def _hidden_size(folder: Path) -> int:

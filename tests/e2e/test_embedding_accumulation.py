@@ -1,0 +1,63 @@
+"""Embeddings and SetFit on a BERT-like encoder (a pooler that mean pooling never reads), beside
+the Llama of test_embedding.py / test_setfit.py: 2 DDP workers train it (the pooler is built
+out, so DDP finds no parameter without a gradient), and 1 worker with gradient accumulation 2
+runs the same steps as 2 workers within 1e-5 — for the ranking loss because its candidates span
+the whole step (GradCache, tasks/embedding/grad_cache.py), for SetFit's scored pairs because
+each pair's loss is its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_runs_agree, run_cli
+from tests.e2e._preference_data import preference_rows, small_run_args
+from tests.e2e._tiny_model import write_jsonl
+from tests.e2e.test_setfit import _labelled
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(900)]
+
+
+def _records(n: int, seed: int) -> list[dict]:
+    return [{"anchor": r["prompt"], "positive": r["chosen"], "negative": r["rejected"]}
+            for r in preference_rows(n, seed)]
+
+
+def _train(run_dir: Path, model: Path, train: Path, val: Path, **extra) -> Path:
+    r = run_cli(small_run_args(model, train, val, run_dir, **{"trainer.max_steps": 4,
+                                                               **extra}),
+                cwd=run_dir.parent, timeout=400)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    return run_dir
+
+
+ONE_WORKER = {"trainer.devices": "cpu"}  # batch 4 per micro-step, global 8: accumulation 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_bert_embeddings_on_two_workers_equal_one_worker_with_accumulation(
+        tmp_path, preference_bert, symmetric):
+    train = write_jsonl(tmp_path / "train.jsonl", _records(48, 0))
+    val = write_jsonl(tmp_path / "val.jsonl", _records(8, 1))
+    opts = {"data.format": "embedding", "embedding.symmetric": str(symmetric).lower()}
+    two = _train(tmp_path / "two", preference_bert, train, val,
+                 **{"trainer.strategy": "ddp", **opts})
+    one = _train(tmp_path / "one", preference_bert, train, val, **ONE_WORKER, **opts)
+    assert len(assert_runs_agree(one, two)) == 4
+
+
+@pytest.mark.slow
+def test_bert_setfit_on_two_workers_equals_one_worker_with_accumulation(tmp_path,
+                                                                        preference_bert):
+    pytest.importorskip("sklearn")
+    train = write_jsonl(tmp_path / "train.jsonl", _labelled(16, 0))
+    val = write_jsonl(tmp_path / "val.jsonl", _labelled(8, 1))
+    opts = {"data.format": "classify", "trainer.objective": "setfit",
+            "embedding.pair_iterations": 2}
+    two = _train(tmp_path / "two", preference_bert, train, val,
+                 **{"trainer.strategy": "ddp", **opts})
+    one = _train(tmp_path / "one", preference_bert, train, val, **ONE_WORKER, **opts)
+    assert len(assert_runs_agree(one, two)) == 4
