@@ -50,3 +50,17 @@ def test_one_and_two_workers_run_the_same_kto_steps(tmp_path, preference_llama,
     assert r.returncode == 0 and "resumed from step 3" in r.stderr, r.stderr[-3000:]
     assert_bit_identical(died, two)
     assert [m["kl"] for m in read_metrics(died)] == [m["kl"] for m in rows["two"]]
+
+
+@pytest.mark.slow
+def test_one_worker_with_accumulation_estimates_the_kl_of_the_whole_step(
+        tmp_path, preference_llama, preference_data):
+    """1 worker, batch 4, accumulation 2 = 2 workers of 4: one KL estimate per optimizer step
+    (kto.py `rollout`), not one per micro-step."""
+    extra = {"trainer.max_steps": 4}
+    one = _kto(tmp_path / "one", preference_llama, preference_data,
+               **{"trainer.devices": "cpu", **extra})
+    two = _kto(tmp_path / "two", preference_llama, preference_data,
+               **{"trainer.strategy": "ddp", **extra})
+    rows = assert_runs_agree(one, two, ("loss", "kl", "rewards/chosen", "rewards/rejected"))
+    assert len(rows) == 4 and any(r["kl"] > 0 for r in rows)
