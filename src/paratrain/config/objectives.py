@@ -22,6 +22,13 @@ class DPOConfig:
     precompute_reference: bool = False
     """Compute the reference log-probs once, before training (cached), instead of holding the
     reference model."""
+    after_eos: str = "drop"
+    """drop | keep: a chat template's text after a response's EOS token (ChatML's newline
+    after "<|im_end|>", Llama 2's "</s>" then a newline), for DPO, KTO and reward models. drop
+    (the default): a response is scored through its EOS, where generation stops, so the policy
+    is not scored on tokens it never generates (supervised fine-tuning does not count them
+    either). keep: scored as part of the response, as TRL's DPOTrainer and KTOTrainer tokenize
+    it: their token ids, end to end."""
 
 
 @dataclass

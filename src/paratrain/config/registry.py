@@ -165,8 +165,14 @@ def _check_classify(cfg: Any) -> None:
 DPO_LOSSES = ("sigmoid", "ipo", "ipo_sum", "hinge")
 
 
+AFTER_EOS = ("drop", "keep")
+
+
 def _check_preference(cfg: Any) -> None:
     d = cfg.data
+    if cfg.dpo.after_eos not in AFTER_EOS:
+        raise ConfigError(f"dpo.after_eos={cfg.dpo.after_eos!r} is not one of: "
+                          f"{', '.join(AFTER_EOS)} (keep: TRL's token ids)")
     fields = {"data.prompt_field": d.prompt_field, "data.chosen_field": d.chosen_field,
               "data.rejected_field": d.rejected_field}
     if not all(fields.values()) or len(set(fields.values())) < 3:
