@@ -23,8 +23,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
+import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -188,8 +190,8 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
     if final.exists():  # no meta.json: never renamed into place complete, so it is debris
         shutil.rmtree(final, ignore_errors=True)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir(final, nodes) if splits else \
-        final.parent / f"{fingerprint}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    remove_stale_temps(final.parent, log)
+    tmp = temp_dir(final, nodes) if splits else final.parent / temp_name(fingerprint)
     tmp.mkdir()
     if splits:
         log(nodes.line(cache_root))
@@ -204,6 +206,43 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return load_prepared(final)
+
+
+_TEMP = re.compile(r"^[0-9a-f]{24}\.tmp-(?P<pid>\d+)-[0-9a-f]{8}@(?P<host>.+)$")
+
+
+def temp_name(fingerprint: str) -> str:
+    """A preparation's temporary folder: its process id and host in the name, so a later
+    preparation can tell whether it is still being written (`remove_stale_temps`)."""
+    return f"{fingerprint}.tmp-{os.getpid()}-{secrets.token_hex(4)}@{_host()}"
+
+
+def remove_stale_temps(data_dir: Path, log: Callable[[str], None]) -> None:
+    """Remove the temporary folders of preparations killed before they finished (a killed
+    process runs no cleanup): those made on this host by a process that is gone. A folder of
+    another host (a shared filesystem) or of a live process is left alone."""
+    host, removed = _host(), 0
+    for folder in data_dir.iterdir():
+        m = _TEMP.match(folder.name)
+        if m and m["host"] == host and not _alive(int(m["pid"])):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += 1
+    if removed:
+        log(f"data: removed {removed} temporary folder(s) of preparations whose process is gone")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def wait_for_data(cfg: DataConfig, cache_root: str | os.PathLike, timeout_s: float,
