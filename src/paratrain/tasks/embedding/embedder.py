@@ -148,6 +148,12 @@ class EmbeddingTask(PretrainedTask):
     def check_model(cls, cfg: Any) -> None:
         refuse_encoder_decoder(cfg.model.path, "data.format=embedding trains an encoder "
                                                "(BERT-like) or a decoder-only model")
+        kind = decoder_only(cfg.model.path)
+        if cfg.embedding.pooling == "cls" and kind:
+            raise ConfigError(
+                f"embedding.pooling=cls on model.path={cfg.model.path!r}, a decoder-only model "
+                f"({kind}): its first token attends to nothing after it, so every text that "
+                "starts alike (its BOS) embeds the same; use embedding.pooling=last or mean")
 
     @classmethod
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
@@ -252,6 +258,17 @@ class EmbeddingTask(PretrainedTask):
     @property
     def model_info(self) -> dict:
         return {**super().model_info, "objective": "embedding"}
+
+
+def decoder_only(path: Optional[str]) -> Optional[str]:
+    """model.path's model type when transformers knows it as a causal LM and not as a masked
+    LM (Llama, GPT-2: causal attention; BERT and RoBERTa are both, bidirectional), else None."""
+    from ...config.model_folder import model_config
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    kind = model_config(path).get("model_type")
+    causal = kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return kind if causal and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES else None
 
 
 def without_pooler(model: nn.Module) -> nn.Module:

@@ -49,13 +49,15 @@ class PairStats:
     identical: int = 0  # chosen and rejected are the same tokens
     longest: int = 0  # tokens in the longest kept sequence
     empty_prompts: int = 0  # rows whose prompt field is empty
+    warning: str = ""  # said after the summary (KTO: every example of one label)
 
     def summary(self) -> str:
         return (f"{self.source_name}: {self.rows} pairs -> {self.kept} kept ({self.truncated} "
                 f"with the prompt cut, {self.dropped} dropped as longer than data.max_length="
                 f"{self.max_length}, {self.identical} with chosen = rejected skipped"
                 + (f", {self.empty_prompts} with an empty prompt" if self.empty_prompts else "")
-                + f"); longest {self.longest} tokens")
+                + f"); longest {self.longest} tokens"
+                + (f"; warning: {self.warning}" if self.warning else ""))
 
     def count_empty_prompts(self, rows: Sequence[Dict[str, Any]], field: str,
                             refuse_all: bool) -> None:
