@@ -198,7 +198,7 @@ def test_a_killed_preparations_temporary_folder_goes_at_the_next_one(tmp_path):
     import subprocess
     import sys
 
-    from paratrain.data.cache import temp_name
+    from paratrain.data.stale_temps import temp_name
     cfg = cfg_for(make_corpus(tmp_path / "src"))
     fp = data_fingerprint(cfg, resolve_corpus(cfg.source))
     data = tmp_path / "cache" / "data"

@@ -23,10 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
-import secrets
 import shutil
-import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,6 +38,7 @@ from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus
 from .node_share import NodeShare, failed, temp_dir, wait_for_plan, wait_published, \
     write_plan
+from .stale_temps import remove_stale_temps, temp_name
 from .pretokenized import check_ids, is_pretokenized, largest_ids, load_tokens
 from .preparation import Fragments, count_fragments, encode_shards, training_texts
 from .progress import Ticker
@@ -223,43 +221,6 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return load_prepared(final)
-
-
-_TEMP = re.compile(r"^[0-9a-f]{24}\.tmp-(?P<pid>\d+)-[0-9a-f]{8}@(?P<host>.+)$")
-
-
-def temp_name(fingerprint: str) -> str:
-    """A preparation's temporary folder: its process id and host in the name, so a later
-    preparation can tell whether it is still being written (`remove_stale_temps`)."""
-    return f"{fingerprint}.tmp-{os.getpid()}-{secrets.token_hex(4)}@{_host()}"
-
-
-def remove_stale_temps(data_dir: Path, log: Callable[[str], None]) -> None:
-    """Remove the temporary folders of preparations killed before they finished (a killed
-    process runs no cleanup): those made on this host by a process that is gone. A folder of
-    another host (a shared filesystem) or of a live process is left alone."""
-    host, removed = _host(), 0
-    for folder in data_dir.iterdir():
-        m = _TEMP.match(folder.name)
-        if m and m["host"] == host and not _alive(int(m["pid"])):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed += 1
-    if removed:
-        log(f"data: removed {removed} temporary folder(s) of preparations whose process is gone")
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def wait_for_data(cfg: DataConfig, cache_root: str | os.PathLike, timeout_s: float,
