@@ -61,3 +61,19 @@ def test_bert_setfit_on_two_workers_equals_one_worker_with_accumulation(tmp_path
                  **{"trainer.strategy": "ddp", **opts})
     one = _train(tmp_path / "one", preference_bert, train, val, **ONE_WORKER, **opts)
     assert len(assert_runs_agree(one, two)) == 4
+
+
+@pytest.mark.slow
+def test_bert_cosent_on_two_workers_equals_one_worker_with_accumulation(tmp_path,
+                                                                        preference_bert):
+    """embedding.pair_loss=cosent orders every scored pair of the global batch against every
+    other (0 to 5 ratings, as they are): gathered across workers, cached across micro-steps."""
+    rows = [{"text1": r["prompt"], "text2": r["chosen"] if i % 2 else r["rejected"],
+             "score": float(i % 6)} for i, r in enumerate(preference_rows(48, 0))]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    val = write_jsonl(tmp_path / "val.jsonl", rows[:8])
+    opts = {"data.format": "embedding", "embedding.pair_loss": "cosent"}
+    two = _train(tmp_path / "two", preference_bert, train, val,
+                 **{"trainer.strategy": "ddp", **opts})
+    one = _train(tmp_path / "one", preference_bert, train, val, **ONE_WORKER, **opts)
+    assert len(assert_runs_agree(one, two)) == 4

@@ -154,3 +154,17 @@ def test_cls_pooling_on_a_decoder_only_model_is_refused(tmp_path):
                                           r"after it.*use embedding.pooling=last or mean"):
         EmbeddingTask.check_model(TrainConfig.from_yaml(None, args + [f"model.path={llama}"]))
     EmbeddingTask.check_model(TrainConfig.from_yaml(None, args + [f"model.path={bert}"]))
+
+
+@pytest.mark.slow  # importing sentence-transformers takes seconds
+def test_cosent_equals_sentence_transformers():
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.losses import CoSENTLoss
+
+    from paratrain.tasks.embedding.pair_losses import cosent_losses
+    u, v = _embeddings(2)
+    score = torch.tensor([0.0, 3.0, 5.0, 1.0, 3.0, 4.5], dtype=torch.float64)  # ties included
+    ours = cosent_losses(u, v, score, 20.0)
+    assert ours.shape == (6,) and bool((ours == ours[0]).all())  # the batch's loss, per pair
+    theirs = CoSENTLoss(None, scale=20.0).compute_loss_from_embeddings([u, v], score)
+    assert abs(ours[0].item() - theirs.item()) <= 1e-6

@@ -81,7 +81,7 @@ def test_the_second_forward_draws_the_dropout_masks_of_the_first():
     task = _task(False)
     micro = [_batch(1, columns=2), _batch(2, columns=2)]
     embed = lambda b: task.embed(model, b, contextlib.nullcontext())  # noqa: E731
-    cached = cache_step(micro, embed, lambda a, d: ranking_losses(a, d, 20.0, False),
+    cached = cache_step(micro, embed, lambda cols: ranking_losses(cols[0], cols[1:], 20.0, False),
                         torch.device("cpu"))
     for mb in cached:  # the replayed embeddings are the cached ones: the value and gradient hold
         with mb["cached"].state.replayed():
@@ -102,3 +102,30 @@ def test_the_second_forward_draws_the_dropout_masks_of_the_first():
             surrogate(embed(mb), mb["cached"]).backward()
     for k, p in model.named_parameters():
         assert torch.allclose(want[k], p.grad, atol=1e-6), k
+
+
+def _scored(seed: int) -> dict:
+    batch = _batch(seed, columns=2)
+    batch["score"] = torch.rand(B, generator=torch.Generator().manual_seed(seed)) * 5  # 0 to 5
+    return batch
+
+
+def test_cosent_under_accumulation_orders_every_pair_of_the_step():
+    """embedding.pair_loss=cosent mixes the pairs of a batch: two micro-batches trained as the
+    loop trains them give the gradient of CoSENT over all 2 B pairs."""
+    task, model = _task(False), _bert(0.0)
+    task.cfg.embedding.pair_loss = "cosent"
+    micro = [_scored(1), _scored(2)]
+    loss = _as_the_loop_trains(task, model, micro)
+    ours = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    whole = {"input_ids": torch.cat([torch.cat([m["input_ids"][c * B:(c + 1) * B] for m in micro])
+                                     for c in range(2)]),
+             "attention_mask": torch.cat([torch.cat([m["attention_mask"][c * B:(c + 1) * B]
+                                                     for m in micro]) for c in range(2)]),
+             "columns": 2, "score": torch.cat([m["score"] for m in micro])}
+    s, n, _ = task.train_counts(model, whole, torch.device("cpu"), contextlib.nullcontext())
+    (s / n).backward()
+    assert abs(loss - float(s / n)) <= 1e-5
+    for k, p in model.named_parameters():
+        assert torch.allclose(ours[k], p.grad, rtol=1e-5, atol=1e-5), k

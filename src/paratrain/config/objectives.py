@@ -55,5 +55,10 @@ class EmbeddingConfig:
     MultipleNegativesSymmetricRankingLoss)."""
     normalize: bool = False
     """Save the model with a Normalize module (unit-length embeddings)."""
+    pair_loss: str = "cosine"
+    """The loss of scored pairs (text1 / text2 / score; SetFit's pairs): cosine
+    (CosineSimilarityLoss, (cos - score)^2: scores in [-1, 1]) | cosent (CoSENT: the pairs
+    ordered by cosine as by score, over the whole global batch, embedding.scale its scale:
+    scores on any scale)."""
     pair_iterations: int = 20
     """trainer.objective=setfit: rounds of pairs drawn per text (one same-label, one other)."""

@@ -250,9 +250,15 @@ def _check_kto(cfg: Any) -> None:
 EMBEDDING_POOLINGS = ("mean", "cls", "last")
 
 
+PAIR_LOSSES = ("cosine", "cosent")
+
+
 def _check_embedding(cfg: Any) -> None:
-    """embedding.*: a known pooling and a positive scale."""
+    """embedding.*: a known pooling and pair loss, and a positive scale."""
     e = cfg.embedding
+    if e.pair_loss not in PAIR_LOSSES:
+        raise ConfigError(f"embedding.pair_loss={e.pair_loss!r} is not one of: "
+                          f"{', '.join(PAIR_LOSSES)}")
     if e.pooling not in EMBEDDING_POOLINGS:
         raise ConfigError(f"embedding.pooling={e.pooling!r} is not one of: "
                           f"{', '.join(EMBEDDING_POOLINGS)} (last: for decoder-only models)")

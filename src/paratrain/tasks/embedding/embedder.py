@@ -8,7 +8,8 @@ trained as sentence-transformers trains them:
   batch; the loss is the cross-entropy of its own positive. `embedding.symmetric`: also each
   positive against every anchor, the two averaged (sentence-transformers' directions
   query_to_doc + doc_to_query, per_direction).
-- text1 / text2 / score records: CosineSimilarityLoss, (cos(u, v) - score)^2.
+- text1 / text2 / score records: CosineSimilarityLoss, (cos(u, v) - score)^2, or with
+  `embedding.pair_loss=cosent` CoSENT over the global batch (pair_losses.py).
 
 On N workers each rank embeds its share and the candidates (and, for the symmetric loss, the
 anchors) are gathered from every rank *with their gradients* (`gather`: the backward pass sums
@@ -39,7 +40,6 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, ContextManager, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -47,6 +47,7 @@ from ...config.model_folder import refuse_encoder_decoder
 from ...errors import ConfigError
 from ..base import NO_FROZEN, Frozen, to_device
 from ..hf import Encoder, PretrainedTask
+from .gather import gather
 
 EVAL_BLOCK = 16  # held-out pairs ranked against each other: the same on any number of workers
 POOLINGS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
@@ -62,32 +63,6 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     m = mask.unsqueeze(-1).to(hidden.dtype)  # (N, T, 1)
     return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-
-
-class _GatherWithGrad(torch.autograd.Function):
-    """all_gather whose backward sums every rank's gradient of the gathered tensor and hands
-    each rank the rows it contributed (all_reduce: any backend, gloo included)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # (B, H) -> (W B, H)
-        ctx.rank, ctx.rows = dist.get_rank(), x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous()
-        dist.all_reduce(grad)
-        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
-
-
-def gather(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(every rank's rows of x, in rank order, with gradients; this rank's first row there).
-    Every rank must hold as many rows (a global batch split evenly)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return x, 0
-    return _GatherWithGrad.apply(x), dist.get_rank() * x.shape[0]
 
 
 def ranking_losses(anchors: torch.Tensor, docs: list[torch.Tensor], scale: float,
@@ -157,7 +132,7 @@ class EmbeddingTask(PretrainedTask):
 
     @classmethod
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
-        return _Encode(tokenizer, cfg.max_length, notes)
+        return _Encode(tokenizer, cfg.max_length, notes, cfg.embedding.pair_loss == "cosine")
 
     @classmethod
     def dataset(cls, examples: list) -> Any:
@@ -190,14 +165,20 @@ class EmbeddingTask(PretrainedTask):
         """Under gradient accumulation, the ranking loss of the whole step first (GradCache,
         grad_cache.py): each micro-batch leaves with the gradient of its embeddings. Scored
         pairs (each pair its own loss) and single micro-batches go through unchanged."""
-        if len(micro) == 1 or any(mb is None or "score" in mb for mb in micro):
+        e = self.cfg.embedding
+        cosine = e.pair_loss == "cosine"
+        if len(micro) == 1 or any(mb is None or ("score" in mb and cosine) for mb in micro):
             return micro, {}
         from .grad_cache import cache_step
-        e = self.cfg.embedding
         batches = [to_device(mb, env.device) for mb in micro]
-        return cache_step(batches, lambda b: self.embed(model, b, amp),
-                          lambda a, docs: ranking_losses(a, docs, e.scale, e.symmetric),
-                          env.device), {}
+        if "score" in batches[0]:  # CoSENT: every pair of the step against every other
+            from .pair_losses import cosent_losses
+            scores = torch.cat([b["score"] for b in batches])  # (m B,)
+            losses = lambda cols: cosent_losses(cols[0], cols[1], scores, e.scale)  # noqa: E731
+        else:
+            losses = lambda cols: ranking_losses(cols[0], cols[1:], e.scale,  # noqa: E731
+                                                 e.symmetric)
+        return cache_step(batches, lambda b: self.embed(model, b, amp), losses, env.device), {}
 
     def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
                      amp: ContextManager, frozen: Frozen = NO_FROZEN
@@ -213,9 +194,19 @@ class EmbeddingTask(PretrainedTask):
             return surrogate(texts, cached), texts[0].shape[0], {}
         texts = self.embed(model, batch, amp)
         if "score" in batch:
-            return cosine_loss(texts, batch["score"])
+            return self.pair_loss(texts, batch["score"], across_ranks=True)
         e = self.cfg.embedding
         losses = ranking_losses(texts[0], list(texts[1:]), e.scale, e.symmetric)
+        return losses.sum(), losses.shape[0], {}
+
+    def pair_loss(self, texts: tuple, score: torch.Tensor, across_ranks: bool
+                  ) -> tuple[torch.Tensor, int, dict]:
+        """Scored pairs' loss: embedding.pair_loss (CoSENT over every rank's pairs while
+        training, over the block at validation)."""
+        if self.cfg.embedding.pair_loss == "cosine":
+            return cosine_loss(texts, score)
+        from .pair_losses import cosent_losses
+        losses = cosent_losses(texts[0], texts[1], score, self.cfg.embedding.scale, across_ranks)
         return losses.sum(), losses.shape[0], {}
 
     def eval_counts(self, model: nn.Module, batch: dict, device: torch.device,
@@ -226,7 +217,7 @@ class EmbeddingTask(PretrainedTask):
         batch = to_device(batch, device)
         texts = self.embed(model, batch, amp)
         if "score" in batch:
-            return cosine_loss(texts, batch["score"])
+            return self.pair_loss(texts, batch["score"], across_ranks=False)
         docs = torch.cat(texts[1:])  # (k B, H)
         B = texts[0].shape[0]
         own = torch.arange(B, device=docs.device)  # (B,)
@@ -311,13 +302,14 @@ def write_sentence_transformers_files(folder: Path, cfg: Any, hidden: int) -> No
 
 
 class _Encode(Encoder):
-    def __init__(self, tokenizer: Any, max_length: int, notes: list):
+    def __init__(self, tokenizer: Any, max_length: int, notes: list, bounded: bool):
         self.tokenizer, self.max_length, self.notes = tokenizer, max_length, notes
+        self.bounded = bounded  # scores in [-1, 1]: the cosine loss fits them
 
     def __call__(self, rows: list, source_name: str) -> list:
         from .records import encode_embedding
         examples, note = encode_embedding(rows, self.tokenizer, max_length=self.max_length,
-                                          source_name=source_name)
+                                          source_name=source_name, bounded=self.bounded)
         self.notes.append(note)
         return examples
 

@@ -1,5 +1,6 @@
 """GradCache (Gao et al., 2021; sentence-transformers' CachedMultipleNegativesRankingLoss): the
-in-batch-negatives loss over a whole optimizer step's micro-batches, with the memory of one.
+in-batch-negatives loss (and CoSENT, pair_losses.py) over a whole optimizer step's micro-batches,
+with the memory of one.
 
 MultipleNegativesRankingLoss ranks each anchor against every positive and negative of the
 *global* batch. Under gradient accumulation the loop runs the step's micro-batches one after the
@@ -62,14 +63,15 @@ class Cached:
 
 
 Embed = Callable[[dict], tuple]  # a collated batch (on the device) -> k (B, H) embeddings
-Losses = Callable[[torch.Tensor, list], torch.Tensor]  # anchors, candidates -> (N,) losses
+Losses = Callable[[list], torch.Tensor]  # the step's k columns (N, H) -> (N,) row losses
 
 
 def cache_step(batches: list, embed: Embed, losses_of: Losses,
                device: torch.device) -> list:
     """Steps 1 and 2 (module docstring): the micro-batches (on the device), each with its
-    `Cached` under "cached". `losses_of` gathers the candidates of every rank (a collective:
-    every rank calls this at the same step)."""
+    `Cached` under "cached". `losses_of` gives each row's loss (summed, the step's loss) and
+    gathers what it compares from every rank (a collective: every rank calls this at the same
+    step)."""
     states, parts = [], []
     with torch.no_grad():
         for batch in batches:
@@ -79,7 +81,7 @@ def cache_step(batches: list, embed: Embed, losses_of: Losses,
     columns = [torch.cat([p[c] for p in parts]).detach().requires_grad_()  # k (m B, H)
                for c in range(len(parts[0]))]
     with torch.enable_grad():
-        losses = losses_of(columns[0], columns[1:])  # (m B,)
+        losses = losses_of(columns)  # (m B,)
         losses.sum().backward()
     grads = [c.grad.split(rows) for c in columns]  # k lists of m (B, H)
     shares = losses.detach().split(rows)

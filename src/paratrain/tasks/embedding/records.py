@@ -36,8 +36,10 @@ def record_kind(row: Dict[str, Any], source_name: str) -> Tuple[str, ...]:
 
 
 def encode_embedding(rows: Sequence[Dict[str, Any]], tokenizer: Any, *, max_length: int,
-                     source_name: str = "data") -> Tuple[List[Dict[str, Any]], str]:
-    """(examples {field: token ids, ..., "score": float}, one note for the log)."""
+                     source_name: str = "data", bounded: bool = True
+                     ) -> Tuple[List[Dict[str, Any]], str]:
+    """(examples {field: token ids, ..., "score": float}, one note for the log). `bounded`:
+    scores must lie in [-1, 1] (the cosine loss; CoSENT reads only their order)."""
     check_inputs(rows, max_length, source_name)
     fields = record_kind(rows[0], source_name)
     texts = [f for f in fields if f != "score"]
@@ -58,10 +60,11 @@ def encode_embedding(rows: Sequence[Dict[str, Any]], tokenizer: Any, *, max_leng
             if isinstance(score, bool) or not isinstance(score, (int, float)):
                 raise DataError(f"{source_name}: row {i} has score {score!r}; a scored pair's "
                                 "'score' is a number (the similarity the two texts should have)")
-            if not -1.0 <= score <= 1.0:
+            if bounded and not -1.0 <= score <= 1.0:
                 raise DataError(f"{source_name}: row {i} has score {score!r}; the loss fits "
                                 "the cosine similarity, which lies in [-1, 1]: scale the scores "
-                                "into it (a 0 to 5 rating: divide by 5)")
+                                "into it (a 0 to 5 rating: divide by 5), or set "
+                                "embedding.pair_loss=cosent (it reads only their order)")
             ex["score"] = float(score)
     cut = sum(len(ids[f][i]) >= max_length for f in texts for i in range(len(rows)))
     return examples, (f"{source_name}: {len(rows)} {KINDS[fields]} ({cut} texts cut to "
