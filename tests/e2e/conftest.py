@@ -21,3 +21,11 @@ def preference_data(tmp_path_factory) -> tuple[Path, Path]:
     """Their train.jsonl and val.jsonl (`write_preference_data`)."""
     from tests.e2e._preference_data import write_preference_data
     return write_preference_data(tmp_path_factory.mktemp("preference-data"))
+
+
+@pytest.fixture(scope="session")
+def preference_bert(tmp_path_factory) -> Path:
+    """A tiny BERT-like encoder (with its pooler) for the embedding and SetFit tests."""
+    pytest.importorskip("transformers")
+    from tests.e2e._preference_data import make_tiny_bert
+    return make_tiny_bert(tmp_path_factory.mktemp("preference-bert"))

@@ -66,3 +66,37 @@ def test_a_token_folder_must_say_what_its_ids_are(tmp_path):
     (folder / "meta.json").unlink()
     (folder / "notes.txt").write_text("a stray .bin in a folder of text leaves it text")
     assert prepare_data(cfg, tmp_path / "c", log=lambda m: None).meta["kind"] == "text"
+
+
+def test_a_bad_dtype_or_an_id_beyond_the_vocabulary_is_one_line_before_any_worker(tmp_path):
+    """meta.json's "dtype" is uint16 or uint32 (numpy would take "float32", and "uint12" was a
+    traceback); an id at or over vocab_size is named with its file before training (it was an
+    IndexError in a worker); the CLI exits 2 with that line."""
+    from tests.conftest import run_cli
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    np.array([1, 2, 0, 3, 299, 0], dtype=np.uint16).tofile(folder / "train.bin")
+    np.array([1, 2, 0], dtype=np.uint16).tofile(folder / "val.bin")
+    cfg = DataConfig(source=str(folder))
+    for dtype in ("uint12", "float32", "int8"):
+        (folder / "meta.json").write_text(json.dumps({"vocab_size": 300, "eos_id": 0,
+                                                      "dtype": dtype}))
+        with pytest.raises(DataError, match=f'"dtype": {dtype!r}; token ids are one of '
+                                            "uint16, uint32"):
+            prepare_data(cfg, tmp_path / "c")
+    (folder / "meta.json").write_text('{"vocab_size": 70000, "eos_id": 0, "dtype": "uint16"}')
+    with pytest.raises(DataError, match='vocab_size 70000 needs ids over 65,535'):
+        prepare_data(cfg, tmp_path / "c")
+    (folder / "meta.json").write_text('{"vocab_size": 299, "eos_id": 0}')
+    with pytest.raises(DataError, match=r"train.bin holds token id 299, beyond meta.json's "
+                                        r"vocab_size 299 \(ids are 0 to 298\); set vocab_size "
+                                        "to at least 300"):
+        prepare_data(cfg, tmp_path / "c", log=lambda m: None)
+    with pytest.raises(DataError, match="train.bin holds token id 299"):  # from the note
+        prepare_data(cfg, tmp_path / "c", log=lambda m: None)
+    (folder / "meta.json").write_text('{"vocab_size": 300, "eos_id": 0, "dtype": "uint12"}')
+    r = run_cli(["train", f"data.source={folder}", f"data.cache_dir={tmp_path / 'c'}",
+                 "trainer.devices=cpu:2", f"run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "token ids are one of uint16, uint32" in r.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()

@@ -5,7 +5,7 @@ runs as printed. A registered task without a row fails `test_every_registered_ta
 
 A row is a function of the session's shared inputs (`Inputs`) giving the task's run: `Row`'s
 overrides on 2 CPU workers, 4 steps, a snapshot every 2; the 1-worker run is the same with the
-whole global batch in one process. The runs are the session's (tests/_runs.py): trained once,
+whole global batch in one process, as two micro-batches (accumulation). The runs are the session's (tests/_runs.py): trained once,
 read by every test here and by the task's own file (test_kto.py reads the KTO row's runs). A row
 not moved here yet names the test that checks its workers (`elsewhere`): that test must exist.
 Adding a task: one line in ROWS."""
@@ -111,6 +111,8 @@ ROWS: dict[tuple[str, str], Row] = {  # (data.format, trainer.objective) -> its 
         "tests/e2e/test_embedding.py", "test_the_guide_runs_and_one_and_two_workers_agree"),
     ("prompts", "grpo"): _elsewhere(
         "tests/e2e/test_grpo.py", "test_one_worker_and_fsdp_sample_and_learn_the_same"),
+    ("prompts", "rloo"): _elsewhere(
+        "tests/e2e/test_grpo.py", "test_accumulation_on_one_process_is_two_ddp_workers"),
     ("prompts", "ppo"): _elsewhere(
         "tests/e2e/test_grpo.py", "test_ppo_is_the_same_on_one_process_and_two_fsdp_workers"),
 }
@@ -119,7 +121,9 @@ TWO = {"trainer.devices": "cpu:2", "trainer.batch_size": 4, "trainer.global_batc
        "trainer.max_steps": STEPS, "trainer.log_every": 1, "trainer.eval_every": 1000,
        "trainer.progress_bar": "false", "checkpoint.every_steps": EVERY,
        "checkpoint.record_samples": "true", "distributed.timeout_s": 60}
-ONE = {**TWO, "trainer.devices": "cpu", "trainer.batch_size": 8}
+# the same global batch on one process, in two micro-batches: gradient accumulation, the setting
+# users change first, is part of every row's "1 and 2 workers agree"
+ONE = {**TWO, "trainer.devices": "cpu"}
 
 
 @pytest.fixture(scope="module")

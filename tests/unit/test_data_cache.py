@@ -189,3 +189,30 @@ def test_tokenizer_subsample_spreads_over_the_corpus():
     assert not (keep & ~allowed).any() and 200 <= sizes[keep].sum() <= 300
     assert np.flatnonzero(keep).max() > 80  # the end of the corpus is represented
     assert (_spread_subsample(sizes, allowed, budget=10**6) == allowed).all()
+
+
+def test_a_killed_preparations_temporary_folder_goes_at_the_next_one(tmp_path):
+    """A preparation killed mid-build leaves its `<fingerprint>.tmp-<pid>-*` folder (no cleanup
+    runs in a killed process); the next preparation removes it once its process is gone, and
+    leaves the folder of a live process (or of another host) alone."""
+    import subprocess
+    import sys
+
+    from paratrain.data.stale_temps import temp_name
+    cfg = cfg_for(make_corpus(tmp_path / "src"))
+    fp = data_fingerprint(cfg, resolve_corpus(cfg.source))
+    data = tmp_path / "cache" / "data"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True, timeout=60)
+    name = temp_name("0" * 24)  # this process, this host
+    stale = data / name.replace(f".tmp-{os.getpid()}-", f".tmp-{int(dead.stdout)}-")
+    live = data / name
+    elsewhere = data / (stale.name.rpartition("@")[0] + "@another-host")
+    for folder in (stale, live, elsewhere):
+        folder.mkdir(parents=True)
+        (folder / "train.bin").write_bytes(b"\x00" * 10)
+    logs: list = []
+    p = prepare_data(cfg, tmp_path / "cache", log=logs.append)
+    assert p.dir.name == fp
+    assert not stale.exists() and live.is_dir() and elsewhere.is_dir()
+    assert any("removed 1 temporary folder" in line for line in logs)

@@ -124,3 +124,47 @@ def test_setfit_pairs_are_drawn_from_the_labels():
         same = p["text1"][0] % 3 == p["text2"][0] % 3
         assert p["score"] == (1.0 if same else 0.0)
     assert sum(p["score"] for p in pairs) == 18  # one same-label pair per text and round
+
+
+def test_an_empty_text_or_a_score_outside_the_cosine_range_is_one_line():
+    from paratrain.tasks.embedding.records import encode_embedding
+    tok = lambda texts, **kw: {"input_ids": [[len(w) for w in t.split()] for t in texts]}  # noqa
+    with pytest.raises(DataError, match=r"t.jsonl: row 2 has an empty 'anchor'; every text of "
+                                        "a record needs words"):
+        encode_embedding([{"anchor": "a", "positive": "b"}, {"anchor": "  ", "positive": "c"}],
+                         tok, max_length=8, source_name="t.jsonl")
+    with pytest.raises(DataError, match=r"row 1 has an empty 'text2'"):
+        encode_embedding([{"text1": "a", "text2": "", "score": 0.5}], tok, max_length=8)
+    for score in (5.0, -1.5):
+        with pytest.raises(DataError, match=rf"row 1 has score {score}; the loss fits the cosine "
+                                            r"similarity, which lies in \[-1, 1\]"):
+            encode_embedding([{"text1": "a", "text2": "b", "score": score}], tok, max_length=8)
+    assert encode_embedding([{"text1": "a", "text2": "b", "score": -1}], tok,
+                            max_length=8)[0][0]["score"] == -1.0
+
+
+def test_cls_pooling_on_a_decoder_only_model_is_refused(tmp_path):
+    from paratrain.config import TrainConfig
+    from paratrain.tasks.embedding.embedder import EmbeddingTask
+    llama = _model_folder(tmp_path, "llama", model_type="llama", vocab_size=300)
+    bert = _model_folder(tmp_path, "bert", model_type="bert", vocab_size=300)
+    args = ["model.arch=hf", "data.format=embedding", "embedding.pooling=cls"]
+    with pytest.raises(ConfigError, match=r"embedding.pooling=cls on model.path=.*, a decoder-only "
+                                          r"model \(llama\): its first token attends to nothing "
+                                          r"after it.*use embedding.pooling=last or mean"):
+        EmbeddingTask.check_model(TrainConfig.from_yaml(None, args + [f"model.path={llama}"]))
+    EmbeddingTask.check_model(TrainConfig.from_yaml(None, args + [f"model.path={bert}"]))
+
+
+@pytest.mark.slow  # importing sentence-transformers takes seconds
+def test_cosent_equals_sentence_transformers():
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.losses import CoSENTLoss
+
+    from paratrain.tasks.embedding.pair_losses import cosent_losses
+    u, v = _embeddings(2)
+    score = torch.tensor([0.0, 3.0, 5.0, 1.0, 3.0, 4.5], dtype=torch.float64)  # ties included
+    ours = cosent_losses(u, v, score, 20.0)
+    assert ours.shape == (6,) and bool((ours == ours[0]).all())  # the batch's loss, per pair
+    theirs = CoSENTLoss(None, scale=20.0).compute_loss_from_embeddings([u, v], score)
+    assert abs(ours[0].item() - theirs.item()) <= 1e-6

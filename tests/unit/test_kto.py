@@ -56,3 +56,13 @@ def test_bad_kto_keys_are_one_line(tmp_path, override, message):
         _cfg(llama, "trainer.objective=kto", override)
     assert _cfg(llama, "trainer.objective=kto").task_spec.task.endswith("KTOTask")
     assert json.dumps(_cfg(llama, "trainer.objective=kto").kto.beta) == "0.1"
+
+
+def test_every_example_of_one_label_is_warned(tok):  # noqa: F811
+    rows = [{"prompt": "the red cat", "completion": " sees a dog", "label": True},
+            {"prompt": "a small bird", "completion": " eats", "label": 1}]
+    _, stats = encode_kto(rows, tok, PreferenceFields(), max_length=64)
+    assert "; warning: every example is desirable: KTO then only raises" in stats.summary()
+    _, stats = encode_kto([rows[0], {**rows[1], "label": False}], tok, PreferenceFields(),
+                          max_length=64)
+    assert "warning" not in stats.summary()

@@ -209,3 +209,93 @@ def test_orpo_and_simpo_equal_trls_step_after_step(llama, tmp_path, objective):
     names = ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]
     for name in names + (["log_odds_ratio", "log_odds_chosen"] if objective == "orpo" else []):
         assert figures[name] == pytest.approx(float(logged[name]), abs=1e-5), name
+
+
+# Zephyr's template: each turn ends "</s>\n", so a response's text runs on past its EOS
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tmp_path_factory) -> Path:
+    return make_hf_llama(tmp_path_factory.mktemp("trl-chat") / "m", [" ".join(WORDS)] * 20,
+                         vocab_size=300, chat_template=CHAT)
+
+
+def _ids(row) -> list[int]:
+    return [int(i) for i in row]
+
+
+def _turn(role: str, text: str) -> list[dict]:
+    return [{"role": role, "content": text}]
+
+
+def chat_pairs(n: int, seed: int = 3) -> list[dict]:
+    rnd = random.Random(seed)
+    return [{"prompt": _turn("user", _phrase(rnd, 2, 6)),
+             "chosen": _turn("assistant", _phrase(rnd, 1, 5) + " cat"),
+             "rejected": _turn("assistant", _phrase(rnd, 1, 5) + " dog")} for _ in range(n)]
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_with_after_eos_keep_equals_trl_on_its_own_token_ids(chat_llama, tmp_path,
+                                                                 loss_type):
+    """dpo.after_eos=keep on a file of chat messages: paratrain's token ids are those TRL's
+    DPOTrainer makes of the same records with the same template (the "</s>\\n" after each
+    response kept), and each step's loss equals TRL's compute_loss on its own collated batch
+    within 1e-5, the policy trained in between. (With the default, drop, the ids end at EOS.)"""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+    rows = chat_pairs(8)
+    task, model, frozen = prepared(chat_llama, tmp_path, rows, "data.format=preference",
+                                   f"dpo.loss={loss_type}", "dpo.beta=0.3", "dpo.after_eos=keep")
+    trainer = DPOTrainer(model=model, ref_model=frozen["reference"],
+                         args=trl_args(DPOConfig, tmp_path, loss_type=[loss_type], beta=0.3),
+                         train_dataset=Dataset.from_list(rows), processing_class=task.tokenizer)
+    theirs = [trainer.train_dataset[i] for i in range(len(rows))]
+    assert len(task.train_ds) == len(theirs)
+    for ours, t in zip((task.train_ds[i] for i in range(len(rows))), theirs):
+        assert ours["prompt_len"] == len(t["prompt_ids"])
+        assert _ids(ours["chosen"]) == t["prompt_ids"] + t["chosen_ids"]
+        assert _ids(ours["rejected"]) == t["prompt_ids"] + t["rejected_ids"]
+    model.train()
+    for step in range(4):
+        picked = [(2 * step + k) % len(rows) for k in range(4)]
+        s, n, _ = task.train_counts(model, task.collate([task.train_ds[i] for i in picked]),
+                                    CPU, AMP, frozen)
+        trl_loss = trainer.compute_loss(model, trainer.data_collator([theirs[i] for i in picked]))
+        assert abs((s / n).item() - trl_loss.item()) <= 1e-5, (step, (s / n).item(),
+                                                               trl_loss.item())
+        _train_in_step(model, s / n)
+
+
+def test_kto_with_after_eos_keep_equals_trl_on_its_own_token_ids(chat_llama, tmp_path):
+    """trainer.objective=kto, dpo.after_eos=keep, unpaired chat records in one batch (TRL pairs
+    each prompt with the previous completion within a batch, paratrain within the source: the
+    same pairs when the source is one batch): TRL's KTOTrainer's own ids and collated batch
+    give its loss, equal to paratrain's within 1e-5 over 4 steps."""
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+    rnd = random.Random(4)
+    rows = [{"prompt": _turn("user", _phrase(rnd, 2, 6)),
+             "completion": _turn("assistant", _phrase(rnd, 1, 6)), "label": i % 3 != 0}
+            for i in range(8)]
+    task, model, frozen = prepared(chat_llama, tmp_path, rows, "data.format=preference",
+                                   "trainer.objective=kto", "kto.beta=0.2",
+                                   "kto.undesirable_weight=1.3", "dpo.after_eos=keep")
+    args = trl_args(KTOConfig, tmp_path, beta=0.2, undesirable_weight=1.3,
+                    per_device_train_batch_size=len(rows))
+    trainer = KTOTrainer(model=model, ref_model=frozen["reference"], args=args,
+                         train_dataset=Dataset.from_list(rows), processing_class=task.tokenizer)
+    theirs = [trainer.train_dataset[i] for i in range(len(rows))]
+    ours = [task.train_ds[i] for i in range(len(rows))]
+    for o, t in zip(ours, theirs):
+        assert _ids(o["completion"]) == t["prompt_ids"] + t["completion_ids"]
+        assert _ids(o["mismatched"]) == t["prompt_ids"] + t["KL_completion_ids"]
+    model.train()
+    for step in range(4):
+        s, n, _ = task.train_counts(model, task.collate(ours), CPU, AMP, frozen)
+        trl_loss = trainer.compute_loss(model, trainer.data_collator(theirs))
+        assert abs((s / n).item() - trl_loss.item()) <= 1e-5, (step, (s / n).item(),
+                                                               trl_loss.item())
+        _train_in_step(model, s / n)

@@ -23,6 +23,11 @@ class EmbeddingConfig:
     MultipleNegativesSymmetricRankingLoss)."""
     normalize: bool = False
     """Save the model with a Normalize module (unit-length embeddings)."""
+    pair_loss: str = "cosine"
+    """The loss of scored pairs (text1 / text2 / score; SetFit's pairs): cosine
+    (CosineSimilarityLoss, (cos - score)^2: scores in [-1, 1]) | cosent (CoSENT: the pairs
+    ordered by cosine as by score, over the whole global batch, embedding.scale its scale:
+    scores on any scale)."""
     pair_iterations: int = 20
     """trainer.objective=setfit: rounds of pairs drawn per text (one same-label, one other)."""
 
@@ -33,9 +38,16 @@ POOLINGS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
             "last": "pooling_mode_lasttoken"}
 
 
+# embedding.pair_loss: tasks/embedding/embedder.py computes each one
+PAIR_LOSSES = ("cosine", "cosent")
+
+
 def check_embedding(cfg: Any) -> None:
-    """embedding.*: a known pooling and a positive scale."""
+    """embedding.*: a known pooling and pair loss, and a positive scale."""
     e = cfg.embedding
+    if e.pair_loss not in PAIR_LOSSES:
+        raise ConfigError(f"embedding.pair_loss={e.pair_loss!r} is not one of: "
+                          f"{', '.join(PAIR_LOSSES)}")
     if e.pooling not in POOLINGS:
         raise ConfigError(f"embedding.pooling={e.pooling!r} is not one of: "
                           f"{', '.join(POOLINGS)} (last: for decoder-only models)")

@@ -32,6 +32,13 @@ class DPOConfig:
     precompute_reference: bool = False
     """Compute the reference log-probs once, before training (cached), instead of holding the
     reference model."""
+    after_eos: str = "drop"
+    """drop | keep: a chat template's text after a response's EOS token (ChatML's newline
+    after "<|im_end|>", Llama 2's "</s>" then a newline), for DPO, KTO and reward models. drop
+    (the default): a response is scored through its EOS, where generation stops, so the policy
+    is not scored on tokens it never generates (supervised fine-tuning does not count them
+    either). keep: scored as part of the response, as TRL's DPOTrainer and KTOTrainer tokenize
+    it: their token ids, end to end."""
 
 
 @dataclass
@@ -73,7 +80,15 @@ class SimPOConfig:
 DPO_LOSSES = ("sigmoid", "ipo", "ipo_sum", "hinge")
 
 
+# dpo.after_eos: tasks/preference/pairs.py cuts a response at its EOS (drop) or not (keep)
+AFTER_EOS = ("drop", "keep")
+
+
 def check_preference_fields(cfg: Any) -> None:
+    """Every preference task: three different record fields, a known dpo.after_eos."""
+    if cfg.dpo.after_eos not in AFTER_EOS:
+        raise ConfigError(f"dpo.after_eos={cfg.dpo.after_eos!r} is not one of: "
+                          f"{', '.join(AFTER_EOS)} (keep: TRL's token ids)")
     d = cfg.data
     fields = {"data.prompt_field": d.prompt_field, "data.chosen_field": d.chosen_field,
               "data.rejected_field": d.rejected_field}

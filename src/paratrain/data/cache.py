@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import time
 from dataclasses import dataclass, replace
@@ -39,7 +38,8 @@ from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus
 from .node_share import NodeShare, failed, temp_dir, wait_for_plan, wait_published, \
     write_plan
-from .pretokenized import is_pretokenized, load_tokens
+from .stale_temps import remove_stale_temps, temp_name
+from .pretokenized import check_ids, is_pretokenized, largest_ids, load_tokens
 from .preparation import Fragments, count_fragments, encode_shards, training_texts
 from .progress import Ticker
 from .shards import Workers, chunk_jobs, default_processes, workers
@@ -140,6 +140,22 @@ def _pretokenized(cfg: DataConfig, packed: bool) -> PreparedData:
                         meta=meta)
 
 
+def _check_token_ids(prepared: PreparedData, cache_root: Path,
+                     log: Callable[[str], None]) -> None:
+    """A pre-tokenized folder's ids all below its vocab_size (pretokenized.check_ids). The
+    largest ids take a pass over the files, once: noted under data.cache_dir by the folder's
+    fingerprint (its files' names, sizes and times), later runs read the note."""
+    note = cache_root / "data" / f"{prepared.meta['fingerprint']}.largest-ids.json"
+    if note.is_file():
+        largest = json.loads(note.read_text())
+    else:
+        log(f"data: checking the token ids of {prepared.meta['source']} (once)")
+        largest = largest_ids(prepared.dir, prepared.meta)
+        note.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(note, largest)
+    check_ids(prepared.meta, largest)
+
+
 def cache_path(cfg: DataConfig, cache_root: str | os.PathLike) -> Path:
     """Where the cache for this config lives (resolves the corpus: stats every file)."""
     corpus = resolve_corpus(cfg.source, cfg.text_field, cfg.max_bytes)
@@ -159,6 +175,7 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
     on every node at once."""
     if is_pretokenized(cfg.source):
         prepared = _pretokenized(cfg, packed)
+        _check_token_ids(prepared, Path(cache_root), log)
         n = prepared.meta["num_tokens"]
         log(f"data: {cfg.source} is tokenized already: {n['train']:,} training and "
             f"{n['val']:,} validation ids in {len(prepared.meta['shards']['train'])} + "
@@ -188,8 +205,8 @@ def prepare_data(cfg: DataConfig, cache_root: str | os.PathLike,
     if final.exists():  # no meta.json: never renamed into place complete, so it is debris
         shutil.rmtree(final, ignore_errors=True)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir(final, nodes) if splits else \
-        final.parent / f"{fingerprint}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    remove_stale_temps(final.parent, log)
+    tmp = temp_dir(final, nodes) if splits else final.parent / temp_name(fingerprint)
     tmp.mkdir()
     if splits:
         log(nodes.line(cache_root))

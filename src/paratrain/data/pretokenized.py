@@ -59,7 +59,7 @@ def load_tokens(source: str, packed: bool) -> dict:
     if not isinstance(meta.get("vocab_size"), int) or not isinstance(meta.get("eos_id"), int):
         raise DataError(f"{where}: {META} needs integer vocab_size and eos_id; {_META_HELP}")
     vocab, eos = meta["vocab_size"], meta["eos_id"]
-    dtype = np.dtype(meta.get("dtype") or (np.uint16 if vocab <= 2**16 else np.uint32))
+    dtype = _dtype(meta.get("dtype"), vocab, where)
     shards: dict = {"train": [], "val": []}
     for path in token_files(folder):
         size = path.stat().st_size
@@ -77,6 +77,44 @@ def load_tokens(source: str, packed: bool) -> dict:
             "shards": shards, "num_docs": num_docs,
             "num_tokens": {s: sum(n for _, n in shards[s]) for s in shards},
             "fingerprint": _fingerprint(folder)}
+
+
+DTYPES = ("uint16", "uint32")  # what nanoGPT-style scripts write; numpy reads them as they are
+CHUNK = 2**24  # ids read at a time when looking for the largest
+
+
+def _dtype(given: object, vocab: int, where: str) -> np.dtype:
+    """meta.json's "dtype" (or the smallest that holds the vocabulary), checked: one line
+    for a name numpy does not know, a float type, or ids too narrow for vocab_size."""
+    if given is None:
+        return np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
+    if given not in DTYPES:
+        raise DataError(f'{where}: {META} has "dtype": {given!r}; token ids are one of '
+                        f'{", ".join(DTYPES)} (what the .bin files hold), or leave it out')
+    if given == "uint16" and vocab > 2**16:
+        raise DataError(f'{where}: {META} has "dtype": "uint16" but vocab_size {vocab} needs '
+                        'ids over 65,535; uint16 files cannot hold them: use "uint32"')
+    return np.dtype(given)
+
+
+def largest_ids(folder: Path, meta: dict) -> dict:
+    """{shard file: its largest id}, reading every shard once, a chunk at a time."""
+    dtype, out = np.dtype(meta["dtype"]), {}
+    for name, n in meta["shards"]["train"] + meta["shards"]["val"]:
+        ids = np.memmap(folder / name, dtype=dtype, mode="r", shape=(n,))
+        out[name] = max(int(ids[s:s + CHUNK].max()) for s in range(0, n, CHUNK))
+    return out
+
+
+def check_ids(meta: dict, largest: dict) -> None:
+    """Every id below vocab_size, else one line naming the file, the id and the fix (a
+    model's embedding table has vocab_size rows: a larger id fails in a worker otherwise)."""
+    vocab = meta["vocab_size"]
+    for name, top in largest.items():
+        if top >= vocab:
+            raise DataError(f"data.source={meta['source']!r}: {name} holds token id {top}, "
+                            f"beyond {META}'s vocab_size {vocab} (ids are 0 to {vocab - 1}); set "
+                            f"vocab_size to at least {top + 1}, or fix the tokenization")
 
 
 def _num_docs(folder: Path, split: str, packed: bool, where: str) -> Optional[int]:

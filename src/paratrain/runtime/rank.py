@@ -359,6 +359,16 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
         resharded = (f"; saved by {resumed.world_size} worker(s), resharded to "
                      f"{env.world_size}" if resumed.world_size != env.world_size else "")
         log(env, f"resumed from step {resumed.step} ({redact_url(resumed.url)}){resharded}")
+        if resumed.step >= plan.total_steps:
+            log(env, past_the_end(resumed.step, plan.total_steps, tr.max_steps))
+
+
+def past_the_end(step: int, total: int, max_steps: int) -> str:
+    """The line of a run resumed at or past its last step: it trains nothing, and says why."""
+    limit = f"trainer.max_steps={max_steps}" if max_steps else "trainer.epochs"
+    return (f"nothing to train: the snapshot is at step {step} and this run ends at step "
+            f"{total} ({limit}); raise {limit.split('=')[0]} to train on, or start a new run "
+            "(another run.name)")
 
 
 def run_summary(run: RankRun, last: dict, val_loss: Optional[float], memory: list,

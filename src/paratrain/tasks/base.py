@@ -163,9 +163,11 @@ class Task:
 
     def rollout(self, model: nn.Module, micro: list, step: int, env: Any, amp: ContextManager,
                 frozen: Frozen = NO_FROZEN) -> tuple[list, dict]:
-        """(the micro-batches the step trains on, {name: figure} summed like the counts): a task
-        that learns from its own samples (rl/grpo.py) turns the step's prompts into scored
-        completions here before the micro-steps run. By default the micro-batches as read."""
+        """(the micro-batches the step trains on, {name: figure} summed like the counts): a
+        step's micro-batches seen whole before any is trained on. Online RL generates and scores
+        completions here (tasks/rl/), the contrastive loss caches the gradient of the step's
+        embeddings (GradCache, tasks/embedding/grad_cache.py), KTO estimates its KL over the
+        step. By default the micro-batches as read."""
         return micro, {}
 
 

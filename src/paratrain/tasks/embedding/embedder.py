@@ -8,14 +8,18 @@ trained as sentence-transformers trains them:
   batch; the loss is the cross-entropy of its own positive. `embedding.symmetric`: also each
   positive against every anchor, the two averaged (sentence-transformers' directions
   query_to_doc + doc_to_query, per_direction).
-- text1 / text2 / score records: CosineSimilarityLoss, (cos(u, v) - score)^2.
+- text1 / text2 / score records: CosineSimilarityLoss, (cos(u, v) - score)^2, or with
+  `embedding.pair_loss=cosent` CoSENT over the global batch (pair_losses.py).
 
 On N workers each rank embeds its share and the candidates (and, for the symmetric loss, the
 anchors) are gathered from every rank *with their gradients* (`gather`: the backward pass sums
 each rank's gradient into the rank that computed the embedding), so a global batch of B pairs
 sees B - 1 in-batch negatives (plus the hard negatives) whatever the world size, and 1 and N
-workers run the same steps. With gradient accumulation the candidates are those of one
-micro-step of every rank. The loss unit is an anchor (a pair).
+workers run the same steps. With gradient accumulation the candidates are those of every
+micro-batch of the step on every rank (GradCache, grad_cache.py: the step is embedded first
+without gradients, then trained on one micro-batch at a time), so 1 worker with accumulation k
+runs the steps of k workers, with the activation memory of one micro-batch: the way to thousands
+of in-batch negatives on one device. The loss unit is an anchor (a pair).
 
 Validation is exact whatever the world size: its batches are blocks of EVAL_BLOCK consecutive
 held-out pairs (by global index, dealt to the workers in turn: runtime/validation.py), each pair
@@ -36,7 +40,6 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, ContextManager, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -45,6 +48,7 @@ from ...config.model_folder import refuse_encoder_decoder
 from ...errors import ConfigError
 from ..base import NO_FROZEN, Frozen, to_device
 from ..hf import Encoder, PretrainedTask
+from .gather import gather
 
 EVAL_BLOCK = 16  # held-out pairs ranked against each other: the same on any number of workers
 
@@ -71,32 +75,6 @@ POOL: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
     """(N, T, H) hidden states, (N, T) attention mask (right-padded) -> (N, H) embeddings."""
     return POOL[pooling](hidden, mask)
-
-
-class _GatherWithGrad(torch.autograd.Function):
-    """all_gather whose backward sums every rank's gradient of the gathered tensor and hands
-    each rank the rows it contributed (all_reduce: any backend, gloo included)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # (B, H) -> (W B, H)
-        ctx.rank, ctx.rows = dist.get_rank(), x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous()
-        dist.all_reduce(grad)
-        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
-
-
-def gather(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(every rank's rows of x, in rank order, with gradients; this rank's first row there).
-    Every rank must hold as many rows (a global batch split evenly)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return x, 0
-    return _GatherWithGrad.apply(x), dist.get_rank() * x.shape[0]
 
 
 def ranking_losses(anchors: torch.Tensor, docs: list[torch.Tensor], scale: float,
@@ -157,10 +135,16 @@ class EmbeddingTask(PretrainedTask):
     def check_model(cls, cfg: Any) -> None:
         refuse_encoder_decoder(cfg.model.path, "data.format=embedding trains an encoder "
                                                "(BERT-like) or a decoder-only model")
+        kind = decoder_only(cfg.model.path)
+        if cfg.embedding.pooling == "cls" and kind:
+            raise ConfigError(
+                f"embedding.pooling=cls on model.path={cfg.model.path!r}, a decoder-only model "
+                f"({kind}): its first token attends to nothing after it, so every text that "
+                "starts alike (its BOS) embeds the same; use embedding.pooling=last or mean")
 
     @classmethod
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
-        return _Encode(tokenizer, cfg.max_length, notes)
+        return _Encode(tokenizer, cfg.max_length, notes, cfg.embedding.pair_loss == "cosine")
 
     @classmethod
     def dataset(cls, examples: list) -> Any:
@@ -174,7 +158,8 @@ class EmbeddingTask(PretrainedTask):
 
     def load_pretrained(self) -> nn.Module:
         from ...models.hf import HFArgs, build_hf
-        return build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer), auto_class=self.auto_class))
+        return without_pooler(build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer),
+                                              auto_class=self.auto_class)))
 
     def count_units(self, batch: dict) -> int:
         return int(batch["input_ids"].shape[0]) // batch["columns"]
@@ -187,16 +172,53 @@ class EmbeddingTask(PretrainedTask):
         return pool(out.last_hidden_state.float(), batch["attention_mask"],
                     self.cfg.embedding.pooling).chunk(batch["columns"])
 
+    def rollout(self, model: nn.Module, micro: list, step: int, env: Any, amp: ContextManager,
+                frozen: Frozen = NO_FROZEN) -> tuple[list, dict]:
+        """Under gradient accumulation, the ranking loss of the whole step first (GradCache,
+        grad_cache.py): each micro-batch leaves with the gradient of its embeddings. Scored
+        pairs (each pair its own loss) and single micro-batches go through unchanged."""
+        e = self.cfg.embedding
+        cosine = e.pair_loss == "cosine"
+        if len(micro) == 1 or any(mb is None or ("score" in mb and cosine) for mb in micro):
+            return micro, {}
+        from .grad_cache import cache_step
+        batches = [to_device(mb, env.device) for mb in micro]
+        if "score" in batches[0]:  # CoSENT: every pair of the step against every other
+            from .pair_losses import cosent_losses
+            scores = torch.cat([b["score"] for b in batches])  # (m B,)
+            losses = lambda cols: cosent_losses(cols[0], cols[1], scores, e.scale)  # noqa: E731
+        else:
+            losses = lambda cols: ranking_losses(cols[0], cols[1:], e.scale,  # noqa: E731
+                                                 e.symmetric)
+        return cache_step(batches, lambda b: self.embed(model, b, amp), losses, env.device), {}
+
     def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
                      amp: ContextManager, frozen: Frozen = NO_FROZEN
                      ) -> tuple[torch.Tensor, int, dict]:
-        """(sum of the anchors' losses, anchors, {}): candidates from every rank."""
+        """(sum of the anchors' losses, anchors, {}): candidates from every rank (and, when
+        `rollout` cached the step, from its every micro-batch)."""
         batch = to_device(batch, device)
+        cached = batch.get("cached")
+        if cached is not None:
+            from .grad_cache import surrogate
+            with cached.state.replayed():  # dropout: the masks of the cached pass
+                texts = self.embed(model, batch, amp)
+            return surrogate(texts, cached), texts[0].shape[0], {}
         texts = self.embed(model, batch, amp)
         if "score" in batch:
-            return cosine_loss(texts, batch["score"])
+            return self.pair_loss(texts, batch["score"], across_ranks=True)
         e = self.cfg.embedding
         losses = ranking_losses(texts[0], list(texts[1:]), e.scale, e.symmetric)
+        return losses.sum(), losses.shape[0], {}
+
+    def pair_loss(self, texts: tuple, score: torch.Tensor, across_ranks: bool
+                  ) -> tuple[torch.Tensor, int, dict]:
+        """Scored pairs' loss: embedding.pair_loss (CoSENT over every rank's pairs while
+        training, over the block at validation)."""
+        if self.cfg.embedding.pair_loss == "cosine":
+            return cosine_loss(texts, score)
+        from .pair_losses import cosent_losses
+        losses = cosent_losses(texts[0], texts[1], score, self.cfg.embedding.scale, across_ranks)
         return losses.sum(), losses.shape[0], {}
 
     def eval_counts(self, model: nn.Module, batch: dict, device: torch.device,
@@ -207,7 +229,7 @@ class EmbeddingTask(PretrainedTask):
         batch = to_device(batch, device)
         texts = self.embed(model, batch, amp)
         if "score" in batch:
-            return cosine_loss(texts, batch["score"])
+            return self.pair_loss(texts, batch["score"], across_ranks=False)
         docs = torch.cat(texts[1:])  # (k B, H)
         B = texts[0].shape[0]
         own = torch.arange(B, device=docs.device)  # (B,)
@@ -237,6 +259,31 @@ class EmbeddingTask(PretrainedTask):
                 f"{', symmetric' if e.symmetric else ''}): " + super().describe(n_params))
 
 
+def decoder_only(path: Optional[str]) -> Optional[str]:
+    """model.path's model type when transformers knows it as a causal LM and not as a masked
+    LM (Llama, GPT-2: causal attention; BERT and RoBERTa are both, bidirectional), else None."""
+    from ...config.model_folder import model_config
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    kind = model_config(path).get("model_type")
+    causal = kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return kind if causal and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES else None
+
+
+def without_pooler(model: nn.Module) -> nn.Module:
+    """The model without the pooler of BERT-like encoders (a dense layer over the first token,
+    trained for next-sentence prediction), which no pooling here reads (`cls` pools the first
+    token's hidden state, as sentence-transformers does). Left in, its parameters get no
+    gradient, and DDP, which expects a gradient for every trained parameter, stops at step 2.
+    Only classes built to run without one (their `add_pooling_layer`) lose it; the saved folder
+    then has no pooler weights (transformers initializes one if a loader asks for it)."""
+    import inspect
+    if isinstance(getattr(model, "pooler", None), nn.Module) and \
+            "add_pooling_layer" in inspect.signature(type(model).__init__).parameters:
+        model.pooler = None
+    return model
+
+
 def _hidden_size(folder: Path) -> int:
     config = json.loads((folder / "config.json").read_text())
     return int(config.get("hidden_size") or config.get("d_model") or config["n_embd"])
@@ -263,13 +310,14 @@ def write_sentence_transformers_files(folder: Path, cfg: Any, hidden: int) -> No
 
 
 class _Encode(Encoder):
-    def __init__(self, tokenizer: Any, max_length: int, notes: list):
+    def __init__(self, tokenizer: Any, max_length: int, notes: list, bounded: bool):
         self.tokenizer, self.max_length, self.notes = tokenizer, max_length, notes
+        self.bounded = bounded  # scores in [-1, 1]: the cosine loss fits them
 
     def __call__(self, rows: list, source_name: str) -> list:
         from .records import encode_embedding
         examples, note = encode_embedding(rows, self.tokenizer, max_length=self.max_length,
-                                          source_name=source_name)
+                                          source_name=source_name, bounded=self.bounded)
         self.notes.append(note)
         return examples
 

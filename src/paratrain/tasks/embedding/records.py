@@ -36,13 +36,21 @@ def record_kind(row: Dict[str, Any], source_name: str) -> Tuple[str, ...]:
 
 
 def encode_embedding(rows: Sequence[Dict[str, Any]], tokenizer: Any, *, max_length: int,
-                     source_name: str = "data") -> Tuple[List[Dict[str, Any]], str]:
-    """(examples {field: token ids, ..., "score": float}, one note for the log)."""
+                     source_name: str = "data", bounded: bool = True
+                     ) -> Tuple[List[Dict[str, Any]], str]:
+    """(examples {field: token ids, ..., "score": float}, one note for the log). `bounded`:
+    scores must lie in [-1, 1] (the cosine loss; CoSENT reads only their order)."""
     check_inputs(rows, max_length, source_name)
     fields = record_kind(rows[0], source_name)
     texts = [f for f in fields if f != "score"]
     columns = {f: [row_text(row, f, "a record field", source_name, i)
                    for i, row in enumerate(rows, start=1)] for f in texts}
+    for f in texts:
+        for i, text in enumerate(columns[f], start=1):
+            if not text.strip():
+                raise DataError(f"{source_name}: row {i} has an empty {f!r}; every text of a "
+                                "record needs words (an empty one embeds as the tokenizer's "
+                                "special tokens alone): fill it in or drop the row")
     ids = {f: tokenizer(columns[f], truncation=True, max_length=max_length)["input_ids"]
            for f in texts}
     examples = [{f: ids[f][i] for f in texts} for i in range(len(rows))]
@@ -52,6 +60,11 @@ def encode_embedding(rows: Sequence[Dict[str, Any]], tokenizer: Any, *, max_leng
             if isinstance(score, bool) or not isinstance(score, (int, float)):
                 raise DataError(f"{source_name}: row {i} has score {score!r}; a scored pair's "
                                 "'score' is a number (the similarity the two texts should have)")
+            if bounded and not -1.0 <= score <= 1.0:
+                raise DataError(f"{source_name}: row {i} has score {score!r}; the loss fits "
+                                "the cosine similarity, which lies in [-1, 1]: scale the scores "
+                                "into it (a 0 to 5 rating: divide by 5), or set "
+                                "embedding.pair_loss=cosent (it reads only their order)")
             ex["score"] = float(score)
     cut = sum(len(ids[f][i]) >= max_length for f in texts for i in range(len(rows)))
     return examples, (f"{source_name}: {len(rows)} {KINDS[fields]} ({cut} texts cut to "

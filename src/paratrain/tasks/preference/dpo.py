@@ -273,7 +273,7 @@ class PairEncoder(Encoder):
     def __init__(self, encode: Any, cfg: Any, tokenizer: Any, notes: list):
         from .pairs import PreferenceFields
         self.encode, self.tokenizer, self.notes = encode, tokenizer, notes
-        self.fields, self.max_length = PreferenceFields.of(cfg.data), cfg.max_length
+        self.fields, self.max_length = PreferenceFields.of(cfg), cfg.max_length
 
     def __call__(self, rows: list, source_name: str) -> list:
         pairs, stats = self.encode(rows, self.tokenizer, self.fields,

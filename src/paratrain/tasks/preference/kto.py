@@ -11,9 +11,12 @@ drives TRL's own code on the same batch):
 averaged over the examples. The mismatched sequences (tasks/preference/kto_records.py: each prompt with another
 example's completion) are scored by policy and reference without gradients. TRL averages the
 per-device KL estimates over the processes; here the sums and counts are added over the
-data-parallel ranks of the micro-step, so 1 and N workers with the same global batch (no
-accumulation) estimate the same KL and run the same step. With gradient accumulation each
-micro-step has its own estimate, as TRL's has per device batch.
+data-parallel ranks, and under gradient accumulation over every micro-batch of the step too
+(`rollout`, the loop's "whole step first" seam, scores the step's mismatched sequences before
+it trains on any): one estimate per optimizer step, so 1 worker with accumulation k runs the
+steps of k workers. (TRL estimates it per device batch: its accumulated micro-steps each have
+their own.) With data.drop_last=false a short last step may leave a rank without a micro-batch;
+then each micro-step keeps its own estimate, summed over the ranks.
 
 An example is the loss unit. Rewards are beta r; metrics.jsonl logs rewards/chosen (the mean
 over desirable examples), rewards/rejected, rewards/margins and kl (TRL's names). The
@@ -59,11 +62,12 @@ class KTOTask(DPOTask):
         """(sum of the examples' weighted losses, examples, reward and KL sums)."""
         batch = to_device(batch, device)
         B = batch["label"].shape[0]
-        with torch.no_grad():
-            ref = self.reference_logps(model, batch, amp, frozen)  # (2B,)
-            mismatched = sequence_logps(model, _rows(batch, slice(B, None)), amp)  # (B,)
+        if "kl" in batch:  # the step's estimate (`rollout`), with the reference's scores
+            ref, kl = batch["ref_logps"], batch["kl"]
+        else:
+            ref, mismatched = self._scores(model, batch, amp, frozen)
+            kl = _mean_over_ranks(mismatched - ref[B:]).clamp(min=0)  # 0-dim
         policy = sequence_logps(model, _rows(batch, slice(0, B)), amp)  # (B,)
-        kl = _mean_over_ranks(mismatched - ref[B:]).clamp(min=0)  # 0-dim
         ratio = policy - ref[:B]  # (B,)
         p = self.cfg.kto
         good = batch["label"]  # (B,) bool
@@ -74,6 +78,26 @@ class KTOTask(DPOTask):
                   "rejected": rewards[~good].sum().double(), "n_rejected": (~good).sum().double(),
                   "kl": kl.double() * B, "samples": float(B)}
         return losses.sum(), B, counts
+
+    def rollout(self, model: nn.Module, micro: list, step: int, env: Any, amp: ContextManager,
+                frozen: Frozen = NO_FROZEN) -> tuple[list, dict]:
+        """Under gradient accumulation, the KL estimate of the whole step (every micro-batch
+        of every rank) first; each micro-batch leaves with it and its reference scores."""
+        if len(micro) == 1 or not self.cfg.data.drop_last:  # drop_last: no rank short of one
+            return micro, {}
+        batches = [to_device(mb, env.device) for mb in micro]
+        scores = [self._scores(model, b, amp, frozen) for b in batches]  # ((2B,), (B,)) each
+        kl = _mean_over_ranks(torch.cat([m - r[m.shape[0]:] for r, m in scores])).clamp(min=0)
+        return [{**b, "ref_logps": r, "kl": kl} for b, (r, _) in zip(batches, scores)], {}
+
+    @torch.no_grad()
+    def _scores(self, model: nn.Module, batch: dict, amp: ContextManager, frozen: Frozen
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """((2B,) the reference's scores of the completions then the mismatched sequences,
+        (B,) the policy's of the mismatched ones), without gradients."""
+        B = batch["label"].shape[0]
+        ref = self.reference_logps(model, batch, amp, frozen)  # (2B,)
+        return ref, sequence_logps(model, _rows(batch, slice(B, None)), amp)
 
     def train_metrics(self, counts: dict) -> dict:
         return kto_metrics(counts)

@@ -42,6 +42,13 @@ def encode_kto(rows: Sequence[Dict[str, Any]], tokenizer: Any, fields: Preferenc
                                   source_name=source_name)
         examples = [{"completion": p[side], "prompt_len": p["prompt_len"], "label": label}
                     for side, label in (("chosen", 1), ("rejected", 0)) for p in pairs]
+    labels = {ex["label"] for ex in examples}
+    if len(labels) == 1:  # TRL warns too: the loss then only moves one way
+        kind = "desirable" if labels == {1} else "undesirable"
+        stats.warning = (f"every example is {kind}: KTO then only raises (or lowers) each "
+                         "completion's log-ratio against the KL estimate, with nothing to "
+                         "contrast it with; give both labels (kto.desirable_weight and "
+                         "kto.undesirable_weight balance unequal shares)")
     return with_mismatched(examples, max_length), stats
 
 

@@ -49,13 +49,15 @@ class PairStats:
     identical: int = 0  # chosen and rejected are the same tokens
     longest: int = 0  # tokens in the longest kept sequence
     empty_prompts: int = 0  # rows whose prompt field is empty
+    warning: str = ""  # said after the summary (KTO: every example of one label)
 
     def summary(self) -> str:
         return (f"{self.source_name}: {self.rows} pairs -> {self.kept} kept ({self.truncated} "
                 f"with the prompt cut, {self.dropped} dropped as longer than data.max_length="
                 f"{self.max_length}, {self.identical} with chosen = rejected skipped"
                 + (f", {self.empty_prompts} with an empty prompt" if self.empty_prompts else "")
-                + f"); longest {self.longest} tokens")
+                + f"); longest {self.longest} tokens"
+                + (f"; warning: {self.warning}" if self.warning else ""))
 
     def count_empty_prompts(self, rows: Sequence[Dict[str, Any]], field: str,
                             refuse_all: bool) -> None:
@@ -88,12 +90,14 @@ class PreferenceFields:
     margin: Optional[str] = None
     chat_template: str = "auto"
     system_prompt: Optional[str] = None
+    keep_after_eos: bool = False  # dpo.after_eos=keep: a template's text after EOS is scored
 
     @classmethod
-    def of(cls, d: Any) -> "PreferenceFields":
-        """From a config's DataConfig."""
+    def of(cls, cfg: Any) -> "PreferenceFields":
+        """From a run's TrainConfig (its data.* fields, dpo.after_eos)."""
+        d = cfg.data
         return cls(d.prompt_field, d.chosen_field, d.rejected_field, d.margin_field,
-                   d.chat_template, d.system_prompt)
+                   d.chat_template, d.system_prompt, cfg.dpo.after_eos == "keep")
 
 
 def preference_texts(rows: Sequence[Dict[str, Any]], tokenizer: Any, f: PreferenceFields,
@@ -135,7 +139,9 @@ def preference_texts(rows: Sequence[Dict[str, Any]], tokenizer: Any, f: Preferen
                 raise DataError(f"{where}: the chat template renders the prompt differently "
                                 "once a response follows it, so the response cannot be told "
                                 "apart; use a template that renders messages in order")
-            texts.append(_through_eos(full[len(prompt_text):], tokenizer.eos_token))
+            response = full[len(prompt_text):]
+            texts.append(response if f.keep_after_eos else
+                         _through_eos(response, tokenizer.eos_token))
         out.append((prompt_text, texts[0], texts[1], margin))
     return out, templated
 
