@@ -42,6 +42,7 @@ from ..config.checks import PIPELINE_SCHEDULES, pipeline_split
 from ..data.dataset import IGNORE_INDEX
 from ..dist import DistEnv
 from ..errors import ConfigError
+from ..models.attention import WHOLE
 from .dims import ParallelDims, check_pipeline_parallel
 from .pipeline_schedules import schedule_class
 from .strategies import FSDP, Parallelism, parallelize, resolve_parallelism
@@ -184,6 +185,7 @@ class ModelPart(nn.Module):
     under the whole model's names. Its forward is that of the model's piece: the model class's
     own `embed` / `head` run on this part (they read only the modules the class names in
     `pipeline_input` / `pipeline_output`, which the part holds under the same names)."""
+    context = WHOLE  # the whole sequence on each stage (models/attention.py)
 
     def __init__(self, model: nn.Module, blocks: Sequence[int], *, first: bool, last: bool,
                  amp: Callable[[], ContextManager] = contextlib.nullcontext):
