@@ -93,6 +93,9 @@ class ContextShard(WholeSequence):
 
     def __init__(self, split: SequenceSplit, group: Any):
         self.split, self.group = split, group
+        # by (local length, device): the gathered keys' order and the causal mask, made once
+        # and shared by every layer (the mask, (T/C, T) booleans, is then held once)
+        self._layouts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def positions(self, T: int, device: torch.device) -> torch.Tensor:
         return self.split.indices(T * self.split.size, device)  # (T,) of the whole T * C
@@ -103,16 +106,52 @@ class ContextShard(WholeSequence):
         if mask is not None:
             raise ValueError("context parallelism takes packed sequences (no attention mask)")
         size, Tl = self.split.size, q.size(2)
-        kv = _GatherSequence.apply(torch.stack([k, v]), self.group, self.split.rank, size)
-        T = Tl * size  # kv: (2, B, KV, T, D), each rank's chunks in rank order
-        held = torch.cat([SequenceSplit(size, r).indices(T, q.device) for r in range(size)])
-        order = torch.argsort(held)  # (T,) back to sequence order
-        kv = kv.index_select(3, order)
+        kv = self.gather(torch.stack([k, v]))  # (2, B, KV, T, D), each rank's chunks in order
+        order, causal = self._layout(Tl, q.device)
+        kv = kv.index_select(3, order)  # (2, B, KV, T, D) in sequence order
         k, v = repeat_kv(kv[0], q.size(1)), repeat_kv(kv[1], q.size(1))  # (B, H, T, D)
-        pos_q = self.positions(Tl, q.device)  # (Tl,)
-        causal = torch.arange(T, device=q.device)[None, :] <= pos_q[:, None]  # (Tl, T)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal,
                                               dropout_p=dropout)  # (B, H, Tl, D)
+
+    def _layout(self, Tl: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """((T,) the order that puts the gathered chunks back in sequence order, (Tl, T) which
+        keys each local query may attend to: those at or before its global position)."""
+        key = (Tl, str(device))
+        if key not in self._layouts:
+            size = self.split.size
+            T = Tl * size
+            held = torch.cat([SequenceSplit(size, r).indices(T, device) for r in range(size)])
+            pos_q = self.positions(Tl, device)  # (Tl,)
+            self._layouts[key] = (torch.argsort(held),
+                                  torch.arange(T, device=device)[None, :] <= pos_q[:, None])
+        return self._layouts[key]
+
+
+    def gather(self, kv: torch.Tensor) -> torch.Tensor:
+        """(2, B, KV, Tl, D) this rank's keys and values -> (2, B, KV, T, D) the group's."""
+        return _GatherSequence.apply(kv, self.group, self.split.rank, self.split.size)
+
+
+class SimulatedShard(ContextShard):
+    """Rank 0's context in the plan's meta-device simulation (parallel/simulate.py): the same
+    attention with the gather made of copies (no processes), so what autograd saves is counted
+    as a run saves it."""
+
+    def __init__(self, size: int):
+        super().__init__(SequenceSplit(size, 0), None)
+
+    def gather(self, kv: torch.Tensor) -> torch.Tensor:
+        return torch.cat([kv] * self.split.size, dim=3)
+
+
+def set_context(model: nn.Module, shard: ContextShard) -> int:
+    """Set `shard` on every module of `model` whose class has the attention seam
+    (models/attention.py); how many took it."""
+    seams = [m for m in model.modules() if isinstance(getattr(type(m), "context", None),
+                                                      WholeSequence)]
+    for module in seams:
+        module.context = shard
+    return len(seams)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: Any) -> None:
@@ -120,12 +159,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: Any) -> None:
     rank's `ContextShard` over the 1-D `cp_mesh`. A ConfigError when none takes it (a model of
     other code: the config check refuses it first, this is the last guard)."""
     split = SequenceSplit(cp_mesh.size(), cp_mesh.get_local_rank())
-    shard = ContextShard(split, cp_mesh.get_group())
-    seams = [m for m in model.modules() if isinstance(getattr(type(m), "context", None),
-                                                      WholeSequence)]
-    if not seams:
+    if not set_context(model, ContextShard(split, cp_mesh.get_group())):
         raise ConfigError(f"trainer.context_parallel={split.size}: {type(model).__name__} has "
                           "no attention that can take a chunk of a sequence; use the built-in "
                           "llama / gpt, or trainer.context_parallel=1")
-    for module in seams:
-        module.context = shard

@@ -167,7 +167,8 @@ class TrainLoop:
         st.counts = add_counts(st.counts, {**result.counts, **rolled})
         st.step += 1
         if self.recorder is not None:  # every rank's sample ids of this step
-            ids = self.env.gather_objects(self.recorder.pop() if self.counts_sums else [])
+            first = self.counts_sums and (self.split is None or self.split.rank == 0)  # one
+            ids = self.env.gather_objects(self.recorder.pop() if first else [])  # per CP group
             out.samples.write({"step": st.step, "ids": sorted(i for r in ids for i in r)})
         out.window.add(result.global_units)
         self.figures.units += result.global_units
