@@ -21,11 +21,10 @@ keeps a 405B-parameter plan over 4096 devices to seconds.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -40,6 +39,7 @@ from .memory_estimate import MARGIN, Choice, Estimate, choose, layout_keys
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .pipeline_schedules import in_flight
+from .simulate_context import context_layouts, context_line, context_traffic, fused_attention
 from .strategies import Parallelism, apply_activation_checkpointing, parallelize, \
     resolve_parallelism
 from .tensor import resolve_tensor_parallel
@@ -174,7 +174,9 @@ def _row(work: Workload, target: Target, parallelism: Parallelism, ac: bool, ask
     for name, count in act["sent"].items():  # tensor parallel: per micro-step
         sent.setdefault("tp", {})[name] = count * accum
     if cp > 1:
-        sent["cp"] = context_traffic(work, dims, ac, accum)
+        sent["cp"] = context_traffic(_model(work, 1).args, work.micro_batch, work.seq_length,
+                                     dims, work.num_layers * (2 if ac else 1), work.num_layers,
+                                     gathered_element_bytes(work.precision) * accum)
     activation_bytes = int(act["saved"])
     gathered = 2 * int(act["block_numel"]) * gathered_element_bytes(work.precision) \
         if parallelism.sharded else 0  # FSDP: this block's full parameters and the next's
@@ -184,17 +186,6 @@ def _row(work: Workload, target: Target, parallelism: Parallelism, ac: bool, ask
     peak = activation_bytes + gathered + (sum(parts) if on_device else 0)
     return Simulated(parallelism, ac, *parts, activation_bytes, peak, sent=sent, asked=asked,
                      dims=dims.label, cp=cp)
-
-
-def context_traffic(work: Workload, dims: Any, ac: bool, accum: int) -> dict:
-    """Bytes a CP rank sends per step: each layer's K/V chunk to the C-1 others in forward (again
-    when checkpointed blocks recompute), and their gradients back in backward."""
-    args = _model(work, 1).args  # the shape (on the meta device)
-    chunk = 2 * work.micro_batch * (work.seq_length // dims.cp) * args.num_kv_heads // dims.tp \
-        * args.head_dim * gathered_element_bytes(work.precision)  # (2, B, KV, T/C, D)
-    per_layer = (dims.cp - 1) * chunk
-    return {"all-gather": per_layer * work.num_layers * (2 if ac else 1) * accum,
-            "reduce-scatter": per_layer * work.num_layers * accum}
 
 
 def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
@@ -325,50 +316,7 @@ def _activations(work: Workload, blocks: int, tensor: Optional[Parallelism], tar
     return {"saved": meter.bytes, "sent": dict(sent), "block_numel": block}
 
 
-@contextlib.contextmanager
-def fused_attention() -> Iterator[None]:
-    """On the meta device torch computes attention unfused, saving the (T, T) scores for
-    backward; a GPU's flash attention (and the CPU's) keeps only the output and one number per
-    row. For the duration, attention on meta tensors goes to the fused kernel, which the meta
-    device can run. (Swapped module-wide, not by a dispatch mode: checkpointed blocks recompute
-    their forward in autograd's own thread.)"""
-    plain = nn.functional.scaled_dot_product_attention
-
-    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False):
-        if query.device.type != "meta" or hasattr(query, "to_local"):
-            return plain(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        if enable_gqa and key.size(-3) != query.size(-3):  # (B, KV, T, D) -> (B, H, T, D)
-            rep = query.size(-3) // key.size(-3)
-            key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-    nn.functional.scaled_dot_product_attention = fused
-    try:
-        yield
-    finally:
-        nn.functional.scaled_dot_product_attention = plain
-
-
 # ---- from a config, and the table ---------------------------------------------------------------
-def context_line(rows: list[Simulated], target: Target, work: Workload) -> str:
-    """When no layout without context parallelism fits on the device but one with it does: the
-    first that fits, and the keys that train it."""
-    budget = target.capacity * MARGIN
-    on_device = [r for r in rows if not r.parallelism.offloads_to_host]
-    if any(r.device_bytes <= budget for r in on_device if r.cp == 1):
-        return ""
-    fits = [r for r in on_device if r.cp > 1 and r.device_bytes <= budget]
-    if not fits:
-        return ""
-    r = fits[0]
-    keys = layout_keys(Choice(r.parallelism, r.activation_checkpointing, ""))
-    return (f"a sequence of {work.seq_length} tokens fits no layout without context parallelism; "
-            f"{r.label} fits ({human_bytes(r.device_bytes)} per device): {keys} "
-            f"trainer.context_parallel={r.cp}")
-
-
 def target_of(cfg: Any) -> Target:
     """plan.nodes / plan.devices_per_node / plan.device_memory_gb, each defaulting to this
     machine's (distributed.nnodes, trainer.devices, the device's memory)."""
@@ -411,21 +359,8 @@ def simulate_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Worklo
                          if not r.parallelism.offloads_to_host):  # a sequence too long: CP
         asked = [(p, tr.activation_checkpointing, True, cp) for p, _, a in layouts if a]
         rows += simulate(work, target, [], (asked if cp > 1 else []) + context_layouts(
-            target, cfg.data.seq_length, tr.reshard_after_forward))
+            target.world, target.devices_per_node, cfg.data.seq_length, tr.reshard_after_forward))
     return rows, target, choose(auto_rows(rows, target) or rows, target.capacity), work
-
-
-def context_layouts(target: Target, seq_length: int, reshard_after_forward: bool
-                    ) -> list[tuple[Parallelism, bool, bool, int]]:
-    """The context-parallel layouts `plan` proposes when a sequence fits no other: fsdp over
-    every device, blocks recomputed, each sequence split over 2, 4, 8... of them (degrees that
-    divide the world and cut the sequence into equal head-tail chunks)."""
-    fsdp = resolve_parallelism("fsdp", world_size=target.world, device=META,
-                               local_world_size=target.devices_per_node,
-                               reshard_after_forward=reshard_after_forward)[0]
-    degrees = [2 ** k for k in range(1, 7) if 2 ** k <= target.world
-               and target.world % 2 ** k == 0 and seq_length % 2 ** (k + 1) == 0]
-    return [(fsdp, True, False, cp) for cp in degrees]
 
 
 def auto_rows(rows: list[Simulated], target: Target) -> list[Simulated]:
@@ -454,7 +389,7 @@ def format_simulation(rows: list[Simulated], target: Target, pick: Choice, work:
                  "step (--json: by mesh dimension and collective)")
     lines.append(f"planning to {int(MARGIN * 100)}% of each device; trainer.strategy=auto picks "
                  f"{pick.label} ({pick.why}); to fix it: {layout_keys(pick)}")
-    line = context_line(rows, target, work)
+    line = context_line(rows, target.capacity * MARGIN, work.seq_length)
     if line:
         lines.append(line)
     best = choose([r for r in rows if r.cp == 1], target.capacity)
