@@ -21,6 +21,7 @@ split C ways where FSDP, TP and PP split only the weights.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -93,9 +94,10 @@ class ContextShard(WholeSequence):
 
     def __init__(self, split: SequenceSplit, group: Any):
         self.split, self.group = split, group
-        # by (local length, device): the gathered keys' order and the causal mask, made once
-        # and shared by every layer (the mask, (T/C, T) booleans, is then held once)
-        self._layouts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # by (local length, device, dtype): the gathered keys' order and the causal mask, made
+        # once and shared by every layer: attention saves its mask for backward, and a bool
+        # mask would be turned into a new float one by every layer (T/C x T x 4 bytes each)
+        self._layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def positions(self, T: int, device: torch.device) -> torch.Tensor:
         return self.split.indices(T * self.split.size, device)  # (T,) of the whole T * C
@@ -107,23 +109,26 @@ class ContextShard(WholeSequence):
             raise ValueError("context parallelism takes packed sequences (no attention mask)")
         size, Tl = self.split.size, q.size(2)
         kv = self.gather(torch.stack([k, v]))  # (2, B, KV, T, D), each rank's chunks in order
-        order, causal = self._layout(Tl, q.device)
+        order, causal = self._layout(Tl, q.device, q.dtype)
         kv = kv.index_select(3, order)  # (2, B, KV, T, D) in sequence order
         k, v = repeat_kv(kv[0], q.size(1)), repeat_kv(kv[1], q.size(1))  # (B, H, T, D)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal,
                                               dropout_p=dropout)  # (B, H, Tl, D)
 
-    def _layout(self, Tl: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """((T,) the order that puts the gathered chunks back in sequence order, (Tl, T) which
-        keys each local query may attend to: those at or before its global position)."""
-        key = (Tl, str(device))
+    def _layout(self, Tl: int, device: torch.device, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """((T,) the order that puts the gathered chunks back in sequence order, (Tl, T) the
+        additive mask: 0 for the keys at or before a local query's global position, -inf for
+        the others)."""
+        key = (Tl, str(device), dtype)
         if key not in self._layouts:
             size = self.split.size
             T = Tl * size
             held = torch.cat([SequenceSplit(size, r).indices(T, device) for r in range(size)])
             pos_q = self.positions(Tl, device)  # (Tl,)
-            self._layouts[key] = (torch.argsort(held),
-                                  torch.arange(T, device=device)[None, :] <= pos_q[:, None])
+            later = torch.arange(T, device=device)[None, :] > pos_q[:, None]  # (Tl, T)
+            mask = torch.zeros(Tl, T, device=device, dtype=dtype).masked_fill_(later, -math.inf)
+            self._layouts[key] = (torch.argsort(held), mask)
         return self._layouts[key]
 
 
