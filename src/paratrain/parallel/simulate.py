@@ -159,8 +159,7 @@ def simulate(work: Workload, target: Target,
 
 def _row(work: Workload, target: Target, parallelism: Parallelism, ac: bool, asked: bool,
          cp: int, activations: dict) -> Simulated:
-    """One layout's row: the state from its shards, one micro-batch's activations (each rank
-    holding 1/cp of every sequence), the traffic of a step."""
+    """One layout's row: state, one micro-batch's activations (1/cp of each sequence), traffic."""
     dims = parallelism.layout(target.world).with_context(cp)
     state = _linear(work, lambda blocks: _state(work, blocks, parallelism, target))
     key = (dims.tp, ac, cp)
@@ -178,6 +177,8 @@ def _row(work: Workload, target: Target, parallelism: Parallelism, ac: bool, ask
                                      dims, work.num_layers * (2 if ac else 1), work.num_layers,
                                      gathered_element_bytes(work.precision) * accum)
     activation_bytes = int(act["saved"])
+    if cp > 1 and ac:  # CP's causal mask outlives the recomputed blocks (context.py)
+        activation_bytes += work.seq_length ** 2 // cp * gathered_element_bytes(work.precision)
     gathered = 2 * int(act["block_numel"]) * gathered_element_bytes(work.precision) \
         if parallelism.sharded else 0  # FSDP: this block's full parameters and the next's
     params, n_tensors = int(state["params"]), int(state["tensors"])
