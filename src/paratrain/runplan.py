@@ -37,7 +37,7 @@ class RunPlan:
     parallelism: Parallelism
     parallelism_reason: str  # why this one: logged, and `strategy_reason` in summary.json
     dims: ParallelDims  # how the world is factored (pipeline x data-replicate x data-shard x
-    # tensor)
+    # context x tensor)
     activation_checkpointing: bool
     precision: str
     micro_batch: int  # samples per process per micro-step (x GPUs under nn.DataParallel)
@@ -78,7 +78,8 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
         parallelism, why = resolve_tensor_parallel(
             tr.strategy, tr.tensor_parallel, world_size=world_size,
             local_world_size=local_world_size, device=devices[0],
-            reshard_after_forward=tr.reshard_after_forward, shard_group_size=tr.shard_group_size)
+            reshard_after_forward=tr.reshard_after_forward, shard_group_size=tr.shard_group_size,
+            cp=tr.context_parallel)
         check_tp_plan(task, tr.tensor_parallel)
     else:
         parallelism, why = resolve_parallelism(
@@ -86,7 +87,9 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
             device=devices[0], cpu_offload=tr.cpu_offload,
             reshard_after_forward=tr.reshard_after_forward, shard_group_size=tr.shard_group_size,
             planned=(choice.parallelism, choice.why) if choice is not None else None)
-    dims = parallelism.layout(world_size)
+    check_context_task(task, tr.context_parallel)
+    # the strategy's sizes, with trainer.context_parallel of its data-parallel ranks as CP groups
+    dims = parallelism.layout(world_size).with_context(tr.context_parallel)
     check_precision(tr.precision, devices[0])
     loggers.check_log_config(cfg.log)  # log.wandb=true without wandb: say so now
     replicas = parallelism.replicas_per_process(len(devices))
@@ -130,7 +133,7 @@ def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.
     tr = cfg.trainer
     probe = task.memory_probe()
     if tr.strategy != "auto" or world_size == 1 or tr.cpu_offload or probe is None \
-            or tr.tensor_parallel > 1 or tr.pipeline_parallel > 1:
+            or tr.tensor_parallel > 1 or tr.pipeline_parallel > 1 or tr.context_parallel > 1:
         return None  # auto with tensor parallelism is fsdp (tensor.py), with a pipeline ddp
         # (fsdp with both)
     rows = estimate(probe.build_model, world=world_size, precision=tr.precision,
@@ -180,6 +183,16 @@ def pipeline_blocks(task: Task, pp: int) -> int:
                           f"models only; {model} cannot be cut into stages: use "
                           "trainer.pipeline_parallel=1")
     return blocks
+
+
+def check_context_task(task: Task, cp: int) -> None:
+    """Context parallelism cuts the built-in llama / gpt's packed windows (every token a loss
+    unit, parallel/context.py); any other task is refused in one line before any worker."""
+    from .tasks.pretraining import LMTask
+    if cp > 1 and not (isinstance(task, LMTask) and not task.is_hf and task.cfg.task.packed):
+        raise ConfigError(f"trainer.context_parallel={cp} splits the packed windows of the "
+                          f"built-in llama / gpt only, not {type(task).__name__}'s model; use "
+                          "trainer.context_parallel=1")
 
 
 def steps_per_epoch(n_samples: int, global_batch: int, task: Any = None,

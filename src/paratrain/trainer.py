@@ -27,7 +27,7 @@ from .launch import environment, forkserver
 from .launch.nodes import join_nodes
 from .launch.preemption import await_stop_signal, requeue_slurm_job
 from .launch.worker import exit_after_result, own_session
-from .parallel.dims import check_tensor_parallel
+from .parallel.dims import check_context_parallel, check_tensor_parallel
 from .parallel.strategies import processes_per_node
 from .records.console import log
 from .records.timeline import Timeline
@@ -204,6 +204,8 @@ class Trainer:
                               local_world=nproc, shard_group=cfg.trainer.shard_group_size,
                               heads=() if isinstance(self.given, UserTask) else
                               attention_heads(cfg))
+        check_context_parallel(cfg.trainer.context_parallel, world=nproc * d.min_nodes,
+                               tp=cfg.trainer.tensor_parallel)
         if d.elastic:  # every world size the range allows must give the same global batch,
             check_elastic_batch(cfg.trainer.batch_size, cfg.trainer.global_batch_size, nproc,
                                 d.min_nodes, d.max_nodes)  # and the same pipeline stages

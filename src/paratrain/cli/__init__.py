@@ -161,10 +161,12 @@ def _task_probe(cfg: "TrainConfig") -> Any:
 
 
 def at_scale(cfg) -> bool:
-    """Whether `paratrain plan` simulates (a plan.* target, tensor or pipeline parallelism)."""
+    """Whether `paratrain plan` simulates (a plan.* target, tensor, pipeline or context
+    parallelism)."""
     p = cfg.plan
     return bool(p.nodes or p.devices_per_node or p.device_memory_gb
-                or cfg.trainer.tensor_parallel > 1 or cfg.trainer.pipeline_parallel > 1)
+                or cfg.trainer.tensor_parallel > 1 or cfg.trainer.pipeline_parallel > 1
+                or cfg.trainer.context_parallel > 1)
 
 
 def cmd_config_show(ns: argparse.Namespace) -> int:

@@ -94,6 +94,7 @@ def validate(cfg: Any) -> None:
         if value is not None and value <= 0:
             raise ConfigError(f"{key}={value} must be positive (or null for the default)")
     _check_tensor_parallel(cfg)
+    _check_context_parallel(cfg)
     if cfg.trainer.shard_group_size is not None and cfg.trainer.strategy not in ("hsdp", "auto"):
         raise ConfigError(f"trainer.shard_group_size sizes hsdp's shard groups; it does not "
                           f"apply to trainer.strategy={cfg.trainer.strategy} (use hsdp, or "
@@ -241,6 +242,38 @@ def _check_tensor_parallel(cfg: Any) -> None:
         value = getattr(pl, key)
         if value is not None and value <= 0:
             raise ConfigError(f"plan.{key}={value} must be positive (or null: this machine's)")
+
+
+def _check_context_parallel(cfg: Any) -> None:
+    """trainer.context_parallel against what the run holds (the processes' side, that it
+    divides the data-parallel ones, is checked with the devices: parallel/dims.py)."""
+    tr, cp = cfg.trainer, cfg.trainer.context_parallel
+    key = f"trainer.context_parallel={cp}"
+    if cp < 1:
+        raise ConfigError(f"{key} must be >= 1 (1: off)")
+    if cp == 1:
+        return
+    refusals = (
+        (tr.strategy == "dp", "cannot run under trainer.strategy=dp (one process drives every "
+         "GPU); use trainer.strategy=ddp or fsdp"),
+        (cfg.model.arch == "hf", "splits the built-in llama / gpt only; a Hugging Face model "
+         "(model.arch=hf) cannot take it yet: use trainer.context_parallel=1"),
+        (cfg.data.format != "packed", f"takes packed windows (data.format=packed), not "
+         f"data.format={cfg.data.format}: use data.format=packed or trainer.context_parallel=1"),
+        (tr.pipeline_parallel > 1, f"cannot be combined with trainer.pipeline_parallel="
+         f"{tr.pipeline_parallel} yet; set one of them to 1"),
+        (tr.cpu_offload, "is not supported with trainer.cpu_offload=true; set one of them off"),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{key} {why}")
+    seq = cfg.data.seq_length
+    if seq % (2 * cp):
+        fits = ", ".join(str(c) for c in range(1, seq // 2 + 1) if seq % (2 * c) == 0
+                         and c <= 64)
+        raise ConfigError(f"{key} cuts each sequence into 2 x {cp} equal chunks (head-tail "
+                          f"balancing), which data.seq_length={seq} is not a multiple of; use "
+                          f"a multiple of {2 * cp}, or trainer.context_parallel in {fits}")
 
 
 def _check_optim(o: Any) -> None:

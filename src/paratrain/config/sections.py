@@ -251,6 +251,10 @@ class TrainerConfig:
     """1f1b | gpipe | interleaved-1f1b | zero-bubble (the last two: 2 stages per process)."""
     pipeline_split: Optional[List[int]] = None
     """Blocks per stage, in stage order, e.g. [3, 1]; null: as even as possible."""
+    context_parallel: int = 1
+    """Processes that split each sequence (context parallelism: head-tail chunks, attention over
+    the whole sequence by all-gathered keys and values); built-in llama / gpt on packed data
+    (1: off)."""
     progress_bar: bool = True
     """Draw a progress bar (global rank 0 only)."""
     early_stopping_patience: Optional[int] = None

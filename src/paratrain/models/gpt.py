@@ -10,14 +10,16 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config.presets import ModelArgs
+from .attention import WHOLE
 from .llama import check_input, gpt2_init
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention; q, k and v come out of one fused projection."""
+    """Multi-head attention; q, k and v come out of one fused projection. The keys it sees are
+    its `context`'s (models/attention.py)."""
+    context = WHOLE
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -36,8 +38,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
         v = v.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                           is_causal=mask is None)  # (B, H, T, D)
+        y = self.context.attend(q, k, v, mask, p)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.c_proj(y)
 
@@ -76,6 +77,7 @@ class GPT(nn.Module):
     # what a pipeline's first stage holds besides blocks, and its last (parallel/pipeline.py)
     pipeline_input = ("wte", "wpe", "dropout")
     pipeline_output = ("ln_f", "lm_head")
+    context = WHOLE  # which positions the tokens hold (models/attention.py)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -104,7 +106,9 @@ class GPT(nn.Module):
         return self.head(x)  # (B, T, V)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
+        pos = self.context.positions(idx.shape[1], idx.device)  # (T,) or None: 0..T-1
+        if pos is None:
+            pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
         return self.dropout(self.wte(idx) + self.wpe(pos))  # (B, T) -> (B, T, C)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config.presets import ModelArgs
+from .attention import WHOLE
 
 
 class RMSNorm(nn.Module):
@@ -61,11 +62,11 @@ class Rotary(nn.Module):
         self.cos, self.sin = self._tables(self.cos.device)
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (B, H, T, D)
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # x: (B, H, T, D); positions: (T,) the tokens' global positions, None: 0..T-1
         T = x.size(-2)
-        cos = self.cos[:T].float()  # (T, D/2), broadcasts over B and H
-        sin = self.sin[:T].float()
+        cos = (self.cos[:T] if positions is None else self.cos[positions]).float()  # (T, D/2)
+        sin = (self.sin[:T] if positions is None else self.sin[positions]).float()
         xf = x.float()
         x1, x2 = xf[..., 0::2], xf[..., 1::2]  # (B, H, T, D/2) each
         out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, H, T, D/2, 2)
@@ -74,7 +75,10 @@ class Rotary(nn.Module):
 
 class Attention(nn.Module):
     """Causal self-attention with grouped-query attention: num_kv_heads key/value heads are
-    shared by groups of query heads, which shrinks k/v projections (and a KV cache)."""
+    shared by groups of query heads, which shrinks k/v projections (and a KV cache). Which
+    positions its tokens hold and which keys they see is its `context`'s (models/attention.py;
+    context parallelism sets another)."""
+    context = WHOLE
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -94,14 +98,10 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
         v = self.wv(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
-        q, k = self.rotary(q), self.rotary(k)
-        rep = q.size(1) // k.size(1)
-        if rep > 1:  # every query head in a group reads the same k/v head
-            k = k.repeat_interleave(rep, dim=1)  # (B, H, T, D)
-            v = v.repeat_interleave(rep, dim=1)  # (B, H, T, D)
+        pos = self.context.positions(T, x.device)  # (T,) or None: 0..T-1
+        q, k = self.rotary(q, pos), self.rotary(k, pos)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                           is_causal=mask is None)  # (B, H, T, D)
+        y = self.context.attend(q, k, v, mask, p)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.wo(y)
 

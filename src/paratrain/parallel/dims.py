@@ -2,11 +2,15 @@
 
 A run's processes form a grid, outermost dimension first:
 
-    pp x dp_replicate x dp_shard x tp        (world = the product)
+    pp x dp_replicate x dp_shard x cp x tp        (world = the product)
 
 - `tp`: tensor parallelism. The ranks of one TP group hold slices of the same matrices and see the
   same batch; it is innermost, so a group is consecutive ranks, one node's processes (its
   collectives run every layer and want the fastest links).
+- `cp`: context parallelism (parallel/context.py). The ranks of one CP group read the same
+  samples and each computes its chunks of every sequence; attention gathers the group's keys and
+  values. Their gradients are summed like data parallelism's: the data-parallel wrapper spans
+  dp x cp ranks (`dp_cp`), as torchtitan's `dp_shard_cp`.
 - `dp_shard`: data parallelism that shards parameters, gradients and optimizer state (FSDP).
 - `dp_replicate`: data parallelism that replicates them (DDP, or HSDP's replicas across nodes).
 - `pp`: pipeline parallelism (parallel/pipeline.py), outermost: the ranks of one stage are
@@ -15,9 +19,12 @@ A run's processes form a grid, outermost dimension first:
   the last computes the loss, so only its ranks count sums.
 
 Everything that asks "which data does this rank read, and does its loss count" asks this object:
-the samplers read `data_rank`/`dp`, the loss scale divides by `dp`, and only the first rank of
-each TP group adds its loss sums (the others computed the same numbers). The DeviceMesh is built
-from it once per process (`build_mesh`), with these names, and sliced by name.
+the samplers read `data_rank`/`dp`, the loss scale divides by `dp_cp`, and only the first rank of
+each TP group adds its loss sums (the others computed the same numbers; the ranks of a CP group
+computed different tokens, and all count). The DeviceMesh is built from it once per process
+(`build_mesh`), with these names (a dimension of size 1 other than the named three left out),
+and sliced by name. A strategy (ddp, fsdp, hsdp, tensor parallelism) is a preset of these sizes
+(its `layout`); `with_context` takes the CP groups out of its data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any, Optional, Sequence
 from ..errors import ConfigError
 
 MESH_NAMES = ("dp_replicate", "dp_shard", "tp")  # the mesh of a stage; `pp` goes before
+MESH_NAMES_CP = ("dp_replicate", "dp_shard", "cp", "tp")  # with context parallelism
 
 
 @dataclass(frozen=True)
@@ -37,15 +45,23 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1  # pipeline stages (outermost; a keyword: the older positional form stays)
+    cp: int = 1  # context parallelism: ranks that split each sequence (between dp_shard and tp)
 
     def __post_init__(self) -> None:
-        if min(self.shape) < 1 or self.pp < 1:
+        if min(self.shape) < 1 or self.pp < 1 or self.cp < 1:
             raise ValueError(f"parallel degrees must be >= 1, got {self}")
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """The grid of one pipeline stage (the whole world without pipeline parallelism)."""
+    def shape(self) -> tuple[int, ...]:
+        """The grid of one pipeline stage (the whole world without pipeline parallelism), in
+        the order of `mesh_names`."""
+        if self.cp > 1:
+            return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
         return (self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def mesh_names(self) -> tuple[str, ...]:
+        return MESH_NAMES_CP if self.cp > 1 else MESH_NAMES
 
     @property
     def world(self) -> int:
@@ -62,13 +78,40 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks of a stage whose gradients the data-parallel wrapper averages: the data-parallel
+        ones and, inside each, its CP group (whose ranks hold different tokens of one batch)."""
+        return self.dp * self.cp
+
+    @property
     def tensor_parallel(self) -> bool:
         return self.tp > 1
 
     def data_rank(self, rank: int) -> int:
         """Which slice of the global batch `rank` reads: the ranks of a TP group read the same,
-        and so do the stages of a pipeline."""
-        return (rank % self.stage_world) // self.tp
+        so do those of a CP group (each takes its chunks of the sequences), and the stages of a
+        pipeline."""
+        return (rank % self.stage_world) // (self.cp * self.tp)
+
+    def cp_rank(self, rank: int) -> int:
+        """The rank's place in its CP group: which chunks of each sequence it computes."""
+        return (rank // self.tp) % self.cp
+
+    def with_context(self, cp: int) -> "ParallelDims":
+        """These sizes with `cp` of their data-parallel ranks turned into a CP group each: from
+        dp_shard first (FSDP then shards over dp_shard x cp, as before), then dp_replicate.
+        Unchanged when cp is 1 or already set."""
+        if cp == 1 or self.cp == cp:
+            return self
+        shard = math.gcd(self.dp_shard, cp)
+        rest = cp // shard
+        if self.dp_replicate % rest:
+            fits = _text([d for d in range(1, self.dp + 1) if self.dp % d == 0])
+            raise ConfigError(f"trainer.context_parallel={cp} does not divide the {self.dp} "
+                              f"data-parallel process(es) of this run ({self.label}, "
+                              f"{self.world} in all); use one of {fits}, or more processes")
+        return ParallelDims(self.dp_replicate // rest, self.dp_shard // shard, self.tp,
+                            pp=self.pp, cp=cp)
 
     def pp_rank(self, rank: int) -> int:
         """Which pipeline stage `rank` runs (the first of them, under an interleaved schedule)."""
@@ -85,22 +128,30 @@ class ParallelDims:
 
     def shard_rank(self, rank: int) -> int:
         """The rank's coordinate on the data-sharding dimension (which FSDP shard it holds)."""
-        return (rank // self.tp) % self.dp_shard
+        return (rank // (self.cp * self.tp)) % self.dp_shard
 
     def build_mesh(self, device_type: str) -> Any:
-        """The (dp_replicate, dp_shard, tp) DeviceMesh of this run. Collective: every rank calls
-        it once, and every parallel piece slices this one mesh (FSDP requires the data and tensor
-        meshes to share a root)."""
+        """The (dp_replicate, dp_shard[, cp], tp) DeviceMesh of this run. Collective: every rank
+        calls it once, and every parallel piece slices this one mesh (FSDP requires the data and
+        tensor meshes to share a root)."""
         from torch.distributed.device_mesh import init_device_mesh
-        names, shape = MESH_NAMES, self.shape
+        names, shape = self.mesh_names, self.shape
         if self.pp > 1:  # a pipeline's stages slice their dimensions from it by name, as without
             names, shape = ("pp", *names), (self.pp, *shape)
         mesh = init_device_mesh(mesh_device_type(device_type), shape, mesh_dim_names=names)
+        if self.cp > 1:  # the data-parallel wrapper shards (or replicates) over dp_shard x cp
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         if self.tp > 1:
             # A value partial over both (a gradient norm under FSDP x TP) is then reduced in one
             # all-reduce instead of one per dimension: DTensor uses a flattened mesh it finds.
-            mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+            inner = ("dp_shard", "cp", "tp") if self.cp > 1 else ("dp_shard", "tp")
+            mesh[inner]._flatten("_".join(inner))
         return mesh
+
+    @property
+    def data_names(self) -> tuple[str, str]:
+        """The mesh dimensions the data-parallel wrapper spans: (replicate, shard)."""
+        return ("dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard")
 
     @property
     def label(self) -> str:
@@ -109,7 +160,8 @@ class ParallelDims:
         return " x ".join(parts) or "one process"
 
     def to_dict(self) -> dict:
-        return {"pp": self.pp, **dict(zip(MESH_NAMES, self.shape))}
+        """Every size, `cp` only when it is set (summary.json's `parallel_dims`)."""
+        return {"pp": self.pp, **dict(zip(self.mesh_names, self.shape))}
 
 
 def mesh_device_type(device_type: str) -> str:
@@ -157,6 +209,19 @@ def check_pipeline_parallel(pp: int, *, world: int, tp: int = 1,
                 and (max_stages is None or d <= max_stages)]
         raise ConfigError(f"trainer.pipeline_parallel={pp} does not divide the world of {world} "
                           f"processes into equal stages; use one of {_text(fits)}")
+
+
+def check_context_parallel(cp: int, *, world: int, tp: int = 1) -> None:
+    """One ConfigError line when `trainer.context_parallel=cp` cannot split this job's
+    processes: each CP group of cp x tp processes (a TP group per chunk) must divide the world,
+    before anything is prepared (the sequence's side is config.checks')."""
+    if cp > 1 and world % (cp * tp):
+        fits = _text([d for d in range(1, world // tp + 1) if (world // tp) % d == 0]) \
+            if world % tp == 0 else "1"
+        group = f"{cp} x trainer.tensor_parallel={tp} = {cp * tp}" if tp > 1 else f"{cp}"
+        raise ConfigError(f"trainer.context_parallel={cp} needs a world divisible by {group} "
+                          f"processes, but this run has {world}; use trainer.context_parallel "
+                          f"in {fits}, or more devices")
 
 
 def _text(values: Sequence[int]) -> str:

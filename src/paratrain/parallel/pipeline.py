@@ -13,7 +13,7 @@ The global-batch contract holds as in the loop: the schedule's micro-batches are
 accumulation micro-batches (the same samples, split the same way), and the last stage's loss
 function returns sum(token losses) x dp / (tokens in the global batch), the loop's scale, so the
 gradients are those of one process (torch's own 1/M scaling is off). Loss sums live on the last
-stage; the loop's all-reduce of (sum, count) brings them to rank 0's log (dims.counts).
+stage; the loop's all-reduce of (sum, count) brings them to rank 0's log (dims.reports_sums).
 
 Inside a stage, the stage's processes parallelize its part as they would a whole model
 (`parallelize`: TP -> activation checkpointing -> compile -> FSDP2), on the stage's slice of the
@@ -42,6 +42,7 @@ from ..config.checks import PIPELINE_SCHEDULES, pipeline_split
 from ..data.dataset import IGNORE_INDEX
 from ..dist import DistEnv
 from ..errors import ConfigError
+from ..models.attention import WHOLE
 from .dims import ParallelDims, check_pipeline_parallel
 from .pipeline_schedules import schedule_class
 from .strategies import FSDP, Parallelism, parallelize, resolve_parallelism
@@ -184,6 +185,7 @@ class ModelPart(nn.Module):
     under the whole model's names. Its forward is that of the model's piece: the model class's
     own `embed` / `head` run on this part (they read only the modules the class names in
     `pipeline_input` / `pipeline_output`, which the part holds under the same names)."""
+    context = WHOLE  # the whole sequence on each stage (models/attention.py)
 
     def __init__(self, model: nn.Module, blocks: Sequence[int], *, first: bool, last: bool,
                  amp: Callable[[], ContextManager] = contextlib.nullcontext):

@@ -21,11 +21,10 @@ keeps a 405B-parameter plan over 4096 devices to seconds.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -33,12 +32,14 @@ from torch import nn
 from ..dist import DistEnv
 from ..errors import ConfigError
 from ..formatting import human_bytes
+from .context import SimulatedShard, set_context
 from .fake_world import fake_world
 from .memory import SavedTensorMeter, local_bytes
 from .memory_estimate import MARGIN, Choice, Estimate, choose, layout_keys
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .pipeline_schedules import in_flight
+from .simulate_context import context_layouts, context_line, context_traffic, fused_attention
 from .strategies import Parallelism, apply_activation_checkpointing, parallelize, \
     resolve_parallelism
 from .tensor import resolve_tensor_parallel
@@ -71,6 +72,15 @@ class Simulated(Estimate):
     sent: dict = field(default_factory=dict)
     asked: bool = False  # the layout the config asks for
     dims: str = ""  # the mesh, e.g. dp_shard=128 x tp=8
+    cp: int = 1  # context parallelism: ranks that split each sequence
+
+    @property
+    def label(self) -> str:
+        """As `candidate_label`, the CP degree after the tensor-parallel one: fsdp+cp4+ac."""
+        if self.cp == 1:
+            return super().label
+        recompute = self.activation_checkpointing and not self.parallelism.offloads_to_host
+        return f"{self.parallelism.label}+cp{self.cp}" + ("+ac" if recompute else "")
 
     @property
     def sent_total(self) -> int:
@@ -133,36 +143,50 @@ def candidates(target: Target, *, heads: int, kv_heads: int, requested: str, tp:
 
 
 def simulate(work: Workload, target: Target,
-             layouts: list[tuple[Parallelism, bool, bool]]) -> list[Simulated]:
-    """Every layout's row, built and measured as rank 0 of the target's world."""
-    activations: dict[tuple[int, bool], dict] = {}  # by (tp degree, checkpointing): shared
+             layouts: list[tuple[Parallelism, bool, bool]],
+             context: Sequence[tuple[Parallelism, bool, bool, int]] = ()) -> list[Simulated]:
+    """Every layout's row, built and measured as rank 0 of the target's world; `context`: more
+    layouts (parallelism, checkpointing, asked, cp) with context parallelism."""
+    activations: dict[tuple[int, bool, int], dict] = {}  # by (tp, checkpointing, cp): shared
     rows = []
-    for parallelism, ac, asked in layouts:
-        dims = parallelism.layout(target.world)
-        if dims.pp > 1:
+    for parallelism, ac, asked, cp in [(*layout, 1) for layout in layouts] + list(context):
+        if parallelism.layout(target.world).pp > 1:
             rows.append(_pipeline_row(work, target, parallelism, ac, asked))
-            continue
-        state = _linear(work, lambda blocks: _state(work, blocks, parallelism, target))
-        key = (dims.tp, ac)
-        if key not in activations:
-            activations[key] = _linear(work, lambda blocks: _activations(
-                work, blocks, parallelism if dims.tp > 1 else None, target, ac))
-        act = activations[key]
-        accum = work.accum(dims.dp)
-        sent = data_parallel_traffic(parallelism, state, target.world, accum, work.precision,
-                                     work.reshard_after_forward)
-        for name, count in act["sent"].items():  # tensor parallel: per micro-step
-            sent.setdefault("tp", {})[name] = count * accum
-        activation_bytes = int(act["saved"])
-        gathered = 2 * int(act["block_numel"]) * gathered_element_bytes(work.precision) \
-            if parallelism.sharded else 0  # FSDP: this block's full parameters and the next's
-        params, n_tensors = int(state["params"]), int(state["tensors"])
-        parts = (params, params, 2 * params + 4 * n_tensors)  # AdamW: 2 moments + a step each
-        on_device = not parallelism.offloads_to_host
-        peak = activation_bytes + gathered + (sum(parts) if on_device else 0)
-        rows.append(Simulated(parallelism, ac, *parts, activation_bytes, peak, sent=sent,
-                              asked=asked, dims=dims.label))
+        else:
+            rows.append(_row(work, target, parallelism, ac, asked, cp, activations))
     return rows
+
+
+def _row(work: Workload, target: Target, parallelism: Parallelism, ac: bool, asked: bool,
+         cp: int, activations: dict) -> Simulated:
+    """One layout's row: state, one micro-batch's activations (1/cp of each sequence), traffic."""
+    dims = parallelism.layout(target.world).with_context(cp)
+    state = _linear(work, lambda blocks: _state(work, blocks, parallelism, target))
+    key = (dims.tp, ac, cp)
+    if key not in activations:
+        activations[key] = _linear(work, lambda blocks: _activations(
+            work, blocks, parallelism if dims.tp > 1 else None, target, ac, cp))
+    act = activations[key]
+    accum = work.accum(dims.dp)
+    sent = data_parallel_traffic(parallelism, state, target.world, accum, work.precision,
+                                 work.reshard_after_forward)
+    for name, count in act["sent"].items():  # tensor parallel: per micro-step
+        sent.setdefault("tp", {})[name] = count * accum
+    if cp > 1:
+        sent["cp"] = context_traffic(_model(work, 1).args, work.micro_batch, work.seq_length,
+                                     dims, work.num_layers * (2 if ac else 1), work.num_layers,
+                                     gathered_element_bytes(work.precision) * accum)
+    activation_bytes = int(act["saved"])
+    if cp > 1 and ac:  # CP's causal mask outlives the recomputed blocks (context.py)
+        activation_bytes += work.seq_length ** 2 // cp * gathered_element_bytes(work.precision)
+    gathered = 2 * int(act["block_numel"]) * gathered_element_bytes(work.precision) \
+        if parallelism.sharded else 0  # FSDP: this block's full parameters and the next's
+    params, n_tensors = int(state["params"]), int(state["tensors"])
+    parts = (params, params, 2 * params + 4 * n_tensors)  # AdamW: 2 moments + a step each
+    on_device = not parallelism.offloads_to_host
+    peak = activation_bytes + gathered + (sum(parts) if on_device else 0)
+    return Simulated(parallelism, ac, *parts, activation_bytes, peak, sent=sent, asked=asked,
+                     dims=dims.label, cp=cp)
 
 
 def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
@@ -255,9 +279,10 @@ def _model(work: Workload, blocks: int, compute: bool = False) -> nn.Module:
 
 
 def _activations(work: Workload, blocks: int, tensor: Optional[Parallelism], target: Target,
-                 checkpointing: bool) -> dict:
+                 checkpointing: bool, cp: int = 1) -> dict:
     """Bytes saved for backward by one micro-batch's forward and loss, and the tensor-parallel
-    collectives of its forward and backward, on the meta device."""
+    collectives of its forward and backward, on the meta device (`cp`: rank 0's 1/cp of each
+    sequence, attending to the keys and values of the whole, as context parallelism runs)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     sent: Counter = Counter()
 
@@ -277,9 +302,11 @@ def _activations(work: Workload, blocks: int, tensor: Optional[Parallelism], tar
             mesh = tensor.device_mesh(_env(target))
             tensor.split(model, mesh)
             group_size = mesh["tp"].size()
+        if cp > 1:
+            set_context(model, SimulatedShard(cp))
         if checkpointing:
             apply_activation_checkpointing(model)
-        idx = torch.zeros(work.micro_batch, work.seq_length, dtype=torch.long, device=META)
+        idx = torch.zeros(work.micro_batch, work.seq_length // cp, dtype=torch.long, device=META)
         with Collectives(), SavedTensorMeter(model) as meter:
             logits = model(idx)  # (B, T, V)
             loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
@@ -288,32 +315,6 @@ def _activations(work: Workload, blocks: int, tensor: Optional[Parallelism], tar
     # one block's parameters as TP leaves them: what FSDP gathers for it
     block = sum(_local_numel(p) for p in model.layers[0].parameters())
     return {"saved": meter.bytes, "sent": dict(sent), "block_numel": block}
-
-
-@contextlib.contextmanager
-def fused_attention() -> Iterator[None]:
-    """On the meta device torch computes attention unfused, saving the (T, T) scores for
-    backward; a GPU's flash attention (and the CPU's) keeps only the output and one number per
-    row. For the duration, attention on meta tensors goes to the fused kernel, which the meta
-    device can run. (Swapped module-wide, not by a dispatch mode: checkpointed blocks recompute
-    their forward in autograd's own thread.)"""
-    plain = nn.functional.scaled_dot_product_attention
-
-    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False):
-        if query.device.type != "meta" or hasattr(query, "to_local"):
-            return plain(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        if enable_gqa and key.size(-3) != query.size(-3):  # (B, KV, T, D) -> (B, H, T, D)
-            rep = query.size(-3) // key.size(-3)
-            key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-    nn.functional.scaled_dot_product_attention = fused
-    try:
-        yield
-    finally:
-        nn.functional.scaled_dot_product_attention = plain
 
 
 # ---- from a config, and the table ---------------------------------------------------------------
@@ -352,15 +353,23 @@ def simulate_at_scale(cfg: Any) -> tuple[list[Simulated], Target, Choice, Worklo
     layouts = candidates(target, heads=args.num_heads, kv_heads=args.num_kv_heads,
                          requested=requested, tp=tr.tensor_parallel,
                          reshard_after_forward=tr.reshard_after_forward, pipeline=pipeline)
-    rows = simulate(work, target, layouts)
+    cp = tr.context_parallel
+    rows = simulate(work, target, [(p, ac, asked and cp == 1) for p, ac, asked in layouts])
+    budget = target.capacity * MARGIN
+    if cp > 1 or not any(r.device_bytes <= budget for r in rows
+                         if not r.parallelism.offloads_to_host):  # a sequence too long: CP
+        asked = [(p, tr.activation_checkpointing, True, cp) for p, _, a in layouts if a]
+        rows += simulate(work, target, [], (asked if cp > 1 else []) + context_layouts(
+            target.world, target.devices_per_node, cfg.data.seq_length, tr.reshard_after_forward))
     return rows, target, choose(auto_rows(rows, target) or rows, target.capacity), work
 
 
 def auto_rows(rows: list[Simulated], target: Target) -> list[Simulated]:
-    """The rows `train`'s auto chooses among (runplan.auto_choice): no tensor parallelism and no
-    pipeline, which it picks only when asked for (or a pipeline, when nothing else fits)."""
+    """The rows `train`'s auto chooses among (runplan.auto_choice): no tensor parallelism, no
+    pipeline and no context parallelism, which it picks only when asked for (or a pipeline, when
+    nothing else fits)."""
     return [r for r in rows if r.parallelism.layout(target.world).tp == 1
-            and r.parallelism.layout(target.world).pp == 1]
+            and r.parallelism.layout(target.world).pp == 1 and r.cp == 1]
 
 
 def format_simulation(rows: list[Simulated], target: Target, pick: Choice, work: Workload,
@@ -381,7 +390,10 @@ def format_simulation(rows: list[Simulated], target: Target, pick: Choice, work:
                  "step (--json: by mesh dimension and collective)")
     lines.append(f"planning to {int(MARGIN * 100)}% of each device; trainer.strategy=auto picks "
                  f"{pick.label} ({pick.why}); to fix it: {layout_keys(pick)}")
-    best = choose(rows, target.capacity)
+    line = context_line(rows, target.capacity * MARGIN, work.seq_length)
+    if line:
+        lines.append(line)
+    best = choose([r for r in rows if r.cp == 1], target.capacity)
     if best.label != pick.label:  # tensor parallelism fits earlier: auto takes it only if asked
         lines.append(f"{best.label} fits too and comes first in auto's order, but auto uses "
                      f"tensor parallelism only when asked: {layout_keys(best)}")

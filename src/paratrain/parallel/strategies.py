@@ -328,14 +328,21 @@ def processes_per_node(requested: str, devices: int) -> int:
 # ---- composing the wrappers ---------------------------------------------------------------------
 def parallelize(model: nn.Module, parallelism: Parallelism, env: DistEnv, *, precision: str,
                 activation_checkpointing: bool = False, compile: bool = False,
-                wrap: Sequence[type] = (), mesh: Any = None) -> nn.Module:
-    """Tensor parallelism -> activation checkpointing -> compile -> the data-parallel wrapper,
-    in that order (torchtitan's): each step must see the modules the one before made, and the
-    wrapper the final ones. `mesh`: a pipeline stage's, sliced from the run's (pipeline.py)."""
+                wrap: Sequence[type] = (), mesh: Any = None,
+                dims: Optional[ParallelDims] = None) -> nn.Module:
+    """Tensor parallelism -> context parallelism -> activation checkpointing -> compile -> the
+    data-parallel wrapper, in that order (torchtitan's): each step must see the modules the one
+    before made, and the wrapper the final ones. `mesh`: a pipeline stage's, sliced from the
+    run's (pipeline.py); `dims`: the run's sizes, read for the context-parallel dimension."""
     if not parallelism.offloads_to_host:
         model.to(env.device)
     mesh = parallelism.device_mesh(env) if mesh is None else mesh
     parallelism.split(model, mesh)
+    if dims is not None and dims.cp > 1:
+        from .context import apply_context_parallel
+        has_cp = mesh is not None and "cp" in (mesh.mesh_dim_names or ())
+        apply_context_parallel(model, (mesh if has_cp else
+                                       dims.build_mesh(env.device.type))["cp"])
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:

@@ -50,7 +50,7 @@ class TensorParallel(FSDP):
 
     @property
     def sharded(self) -> bool:  # type: ignore[override]
-        return self.dims.dp_shard > 1
+        return self.dims.dp_shard * self.dims.cp > 1  # FSDP2 shards over dp_shard x cp
 
     @property
     def label(self) -> str:
@@ -69,7 +69,7 @@ class TensorParallel(FSDP):
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
              units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         return super().wrap(model, env, precision=precision, units=units,
-                            mesh=mesh["dp_replicate", "dp_shard"])
+                            mesh=mesh[self.dims.data_names])
 
     def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
                     units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
@@ -98,12 +98,13 @@ class TensorParallel(FSDP):
 
 def resolve_tensor_parallel(requested: str, tp: int, *, world_size: int, local_world_size: int,
                             device: torch.device, reshard_after_forward: bool = True,
-                            shard_group_size: Optional[int] = None
+                            shard_group_size: Optional[int] = None, cp: int = 1
                             ) -> tuple[TensorParallel, str]:
     """(parallelism, why) for `trainer.tensor_parallel=tp` with `trainer.strategy=requested`
     over the other world / tp processes: the data-parallel part is resolved as
     `resolve_parallelism` would for that many processes (`auto`: fsdp, which shards what TP
-    leaves whole), then both are fixed in one ParallelDims."""
+    leaves whole), then both are fixed in one ParallelDims (with `cp` of the data-parallel
+    processes made context-parallel groups: parallel/context.py)."""
     check_tensor_parallel(tp, world=world_size, local_world=local_world_size,
                           shard_group=shard_group_size)
     data, why = resolve_parallelism(
@@ -112,11 +113,11 @@ def resolve_tensor_parallel(requested: str, tp: int, *, world_size: int, local_w
         reshard_after_forward=reshard_after_forward,
         shard_group_size=shard_group_size // tp if shard_group_size else None)
     base = data.layout(world_size // tp)
-    dims = ParallelDims(base.dp_replicate, base.dp_shard, tp)
+    dims = ParallelDims(base.dp_replicate, base.dp_shard, tp).with_context(cp)
     why = ("auto: fsdp over the data-parallel processes" if requested == "auto" and dims.dp > 1
            else why if dims.dp > 1 else "no data parallelism left")
     # with shards of one there is nothing to free after forward and gather again
-    reshard = reshard_after_forward and dims.dp_shard > 1
+    reshard = reshard_after_forward and dims.dp_shard * dims.cp > 1
     return (TensorParallel(dims=dims, data=data, reshard_after_forward=reshard),
             f"{why}; tensor parallel over {tp} processes of a node ({dims.label})")
 

@@ -30,6 +30,7 @@ from ..data.sampler import GlobalSampler, SampleRecorder, StepBatches
 from ..dist import DistEnv
 from ..launch import watchdog
 from ..launch.preemption import StopSignals, stop_line
+from ..parallel.context import context_split
 from ..parallel.memory import SavedTensorMeter, format_memory_table, gather_memory, local_bytes
 from ..parallel.pipeline import Pipeline
 from ..records import loggers
@@ -75,6 +76,8 @@ class TrainLoop:
         dims = plan.dims
         self.dp, self.data_rank, self.counts_sums = dims.dp, dims.data_rank(env.rank), \
             dims.reports_sums(env.rank)
+        # context parallelism: the ranks of a CP group read the same samples, each its chunks
+        self.split = context_split(dims, env.rank)
         self.sampler = GlobalSampler(len(task.train_ds), self.dp, self.data_rank,
                                      tr.seed, shuffle=cfg.data.shuffle,
                                      drop_last=cfg.data.drop_last,
@@ -173,7 +176,8 @@ class TrainLoop:
         st.counts = add_counts(st.counts, {**result.counts, **rolled})
         st.step += 1
         if self.recorder is not None:  # every rank's sample ids of this step
-            ids = self.env.gather_objects(self.recorder.pop() if self.counts_sums else [])
+            first = self.counts_sums and (self.split is None or self.split.rank == 0)  # one
+            ids = self.env.gather_objects(self.recorder.pop() if first else [])  # per CP group
             out.samples.write({"step": st.step, "ids": sorted(i for r in ids for i in r)})
         out.window.add(result.global_units)
         self.figures.units += result.global_units
@@ -247,8 +251,8 @@ class TrainLoop:
             mine = sum(self.task.count_units(mb) for mb in micro if mb is not None) \
                 if self.counts_sums else 0
             global_units = self.host.sum([mine])[0]
-        # the data-parallel mean of the gradients undoes the `* dp`
-        scale = self.dp / max(global_units, 1.0)
+        # the data-parallel mean of the gradients (over dp x cp ranks) undoes the `* dp_cp`
+        scale = self.plan.dims.dp_cp / max(global_units, 1.0)
         if self.pipeline is not None:  # every micro-batch through this rank's stages
             self.progress.at(step + 1, "forward")
             loss_sum, units = self.pipeline.train_step(micro, scale)
@@ -320,6 +324,7 @@ class TrainLoop:
         sums those like the loss, and `train_metrics` turns the sums into logged figures."""
         dev = self.env.device
         amp = self.plan.parallelism.autocast(self.plan.precision, dev)
+        mb = self.split.batch(mb) if self.split is not None else mb  # this rank's chunks
         return self.task.train_counts(self.model, mb, dev, amp, self.frozen)
 
     def evaluate(self) -> Optional[float]:

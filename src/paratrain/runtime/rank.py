@@ -314,7 +314,7 @@ def _build(plan: RunPlan, env: DistEnv, task: Task
     else:
         model = parallelize(model, plan.parallelism, env, precision=plan.precision,
                             activation_checkpointing=plan.activation_checkpointing,
-                            compile=tr.compile, wrap=task.fsdp_wrap)
+                            compile=tr.compile, wrap=task.fsdp_wrap, dims=plan.dims)
     frozen = {name: parallelize_frozen(prepare_model(m, plan.precision), plan.parallelism, env,
                                        precision=plan.precision, wrap=task.fsdp_wrap)
               for name, m in task.build_frozen().items()}
@@ -337,7 +337,9 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
              f"({plan.parallelism_reason}); {env.world_size} worker(s) on {env.device.type}"
              f"{threads}; precision {plan.precision}")
     dims = plan.dims
-    split = f"{env.world_size} workers" if dims.tp == 1 and dims.pp == 1 else \
+    split = f"{env.world_size} workers" if dims.tp == 1 and dims.pp == 1 and dims.cp == 1 else \
+        f"{dims.dp} data-parallel group{'s' if dims.dp > 1 else ''} of {dims.cp * dims.tp} " \
+        f"workers (context {dims.cp} x tensor {dims.tp})" if dims.pp == 1 and dims.cp > 1 else \
         f"{dims.dp} data-parallel group{'s' if dims.dp > 1 else ''} of {dims.tp} " \
         "tensor-parallel workers" if dims.pp == 1 else \
         f"{dims.dp} data-parallel worker{'s' if dims.dp > 1 else ''} per stage of a " \

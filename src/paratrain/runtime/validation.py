@@ -16,6 +16,7 @@ from torch import nn
 from ..data.sampler import EvalSampler
 from ..dist import DistEnv
 from ..launch import watchdog
+from ..parallel.context import context_split
 from ..parallel.pipeline import Pipeline
 from ..records.console import ProgressBar
 from ..runplan import RunPlan
@@ -60,12 +61,14 @@ class Validation:
         # a tensor-parallel group reads the same samples; only its first rank's sums count
         self.dp, self.data_rank = plan.dims.dp, plan.dims.data_rank(env.rank)
         self.counts_sums = plan.dims.reports_sums(env.rank)
+        self.split = context_split(plan.dims, env.rank)  # a CP rank's chunks of each sequence
 
     def _batch(self, mb: Any) -> tuple[Any, int, dict]:
         """(loss sum, loss units, counts) for one validation micro-batch. A task may count more
         than the loss (`eval_counts`, e.g. right predictions): `run` sums those too."""
         dev = self.env.device
         amp = self.plan.parallelism.autocast(self.plan.precision, dev)
+        mb = self.split.batch(mb) if self.split is not None else mb
         return self.task.eval_counts(self.model, mb, dev, amp, self.frozen)
 
     @torch.no_grad()
