@@ -32,7 +32,7 @@ def test_cp_groups_are_taken_from_the_data_parallel_ranks():
     cp = ParallelDims(1, 2, 2, cp=2)  # dp 2 x cp 2 x tp 2: rank = ((shard * 2) + cp) * 2 + tp
     assert [cp.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [cp.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
-    assert [cp.counts(r) for r in range(4)] == [True, False, True, False]
+    assert [cp.reports_sums(r) for r in range(4)] == [True, False, True, False]
     assert (cp.dp, cp.dp_cp, cp.world) == (2, 4, 8)
     assert cp.to_dict() == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
     assert ParallelDims(dp_shard=2).to_dict() == {"pp": 1, "dp_replicate": 1, "dp_shard": 2,

@@ -16,7 +16,8 @@ import torch
 
 import paratrain.tasks
 from paratrain.config import embedding, preference, registry
-from paratrain.config.sections import DataConfig, ModelConfig
+from paratrain.config.data_section import DataConfig
+from paratrain.config.sections import ModelConfig
 from paratrain.errors import ConfigError
 from paratrain.tasks.base import Task
 

@@ -6,9 +6,9 @@ configuration tree (`tree`: `TrainConfig` of the `sections`), its checks (`check
 spelling; the package's own modules import from `config.tree` and `config.sections`.
 """
 
+from .data_section import DataConfig
 from .sections import (
     CheckpointConfig,
-    DataConfig,
     DistributedConfig,
     LogConfig,
     LoraConfig,

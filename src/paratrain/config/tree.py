@@ -30,9 +30,9 @@ from .registry import TaskSpec, for_config
 from .embedding import EmbeddingConfig
 from .preference import DPOConfig, KTOConfig, ORPOConfig, SimPOConfig
 from .rl import RLConfig
+from .data_section import DataConfig
 from .sections import (
     CheckpointConfig,
-    DataConfig,
     DistributedConfig,
     LogConfig,
     ModelConfig,

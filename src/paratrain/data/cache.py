@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..config.defaults import resolve_tokenizer
-from ..config.sections import DataConfig
+from ..config.data_section import DataConfig
 from ..errors import DataError
 from ..fileio import atomic_write_json
 from .corpus import Corpus, resolve_corpus

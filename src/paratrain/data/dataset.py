@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..config.sections import DataConfig
+from ..config.data_section import DataConfig
 from .cache import PreparedData
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
