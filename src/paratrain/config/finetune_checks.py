@@ -30,17 +30,16 @@ def check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
     """Fine-tuning formats need a pretrained model and its tokenizer; corpora a tokenizer kind;
     then the task's own checks."""
     d = cfg.data
-    if d.pack:
+    if d.pack and not spec.packs:
         raise ConfigError(
-            "data.pack=true is refused: packing several examples into one row lets attention "
-            "cross from one example into the next unless the model takes a block-diagonal mask "
-            "or per-example positions, which paratrain cannot guarantee for a Hugging Face "
-            "model; leave data.pack=false (examples are padded to the longest of each "
-            "micro-batch, which wastes little) or use data.format=packed for plain text"
+            f"data.pack=true cannot pack data.format={d.format} (trainer.objective="
+            f"{spec.objective}) exactly: {spec.no_pack}; leave data.pack=false"
+            + " and set data.group_by_length=true to cut the padding instead"
             if spec.pretrained else
-            f"data.pack applies to data.format=pairs or chat; data.format={d.format} "
-            + ("already packs documents into windows" if spec.packed else
-               "keeps one document per row"))
+            f"data.pack applies to fine-tuning formats ({one_of(registry.names(pretrained=True))}"
+            f"); data.format={d.format} " + (
+                "already packs documents into windows (data.document_mask=true keeps each "
+                "window's documents apart)" if spec.packed else "keeps one document per row"))
     if spec.pretrained:
         if cfg.model.arch != "hf":
             raise ConfigError(f"data.format={d.format} fine-tunes a pretrained Hugging Face "

@@ -120,8 +120,15 @@ class DataConfig:
     classify (text -> label) | preference (prompt, chosen, rejected: DPO or a reward model) |
     prompts (prompts alone: online RL, trainer.objective=grpo or ppo)."""
     pack: bool = False
-    """pairs / chat: several examples per row (refused for now: examples are padded to the
-    longest of each micro-batch instead)."""
+    """pairs / chat: several examples per row of data.max_length tokens (best-fit decreasing,
+    made from the seed before the data is split between workers), each with its own positions
+    and attention kept inside it: the same losses as padded batches with far fewer pads.
+    trainer.batch_size then counts rows. false: examples padded to the longest of each
+    micro-batch."""
+    group_by_length: bool = False
+    """Micro-batches of examples of similar lengths (as Hugging Face's option): the epoch's
+    shuffled order is sorted by length inside windows of 50 global batches, so pads shrink for
+    the formats that cannot pack; the same batches on 1 and N workers."""
     padded_overflow: str = "truncate"
     """padded: a document longer than seq_length is cut to one row (truncate: the rest is
     dropped, the log counts it) or continues in as many rows as it needs (split)."""

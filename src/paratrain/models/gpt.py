@@ -10,10 +10,9 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config.presets import ModelArgs
-from .llama import check_input, gpt2_init
+from .llama import attend, check_input, gpt2_init
 
 
 class CausalSelfAttention(nn.Module):
@@ -36,8 +35,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
         v = v.view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                           is_causal=mask is None)  # (B, H, T, D)
+        y = attend(q, k, v, mask, p)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.c_proj(y)
 
@@ -95,16 +93,20 @@ class GPT(nn.Module):
         (c_proj) get 1/sqrt(2 * num_layers) of the std so depth does not inflate the stream."""
         gpt2_init(self, self.args.num_layers, residual=("c_proj.weight",))
 
-    def forward(self, idx: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        mask = check_input(idx, attention_mask, self.args.max_seq_length)
-        x = self.embed(idx)  # (B, T, C)
+    def forward(self, idx: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As Llama's: position_ids (B, T) restart per packed example, attention stays inside."""
+        mask = check_input(idx, attention_mask, self.args.max_seq_length, position_ids,
+                           sparse=self.args.dropout == 0.0)
+        x = self.embed(idx, position_ids)  # (B, T, C)
         for block in self.layers:
             x = block(x, mask)  # (B, T, C)
         return self.head(x)  # (B, T, V)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
+    def embed(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device) if position_ids is None \
+            else position_ids  # (T,) or (B, T)
         return self.dropout(self.wte(idx) + self.wpe(pos))  # (B, T) -> (B, T, C)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -154,9 +154,15 @@ def token_loss(model: nn.Module, batch: dict, device: torch.device,
     batch = to_device(batch, device)
     idx, targets = batch["input_ids"], batch["targets"]  # (B, T), (B, T)
     with amp:
-        out = model(idx, attention_mask=batch.get("attention_mask"))
+        out = model(idx, **model_inputs(batch))
     logits = out.logits if hasattr(out, "logits") else out  # (B, T, V); HF returns an object
     return token_loss_sum(logits, targets, label_smoothing), int((targets != IGNORE_INDEX).sum())
+
+
+def model_inputs(batch: dict) -> dict:
+    """What a model reads besides the ids: the padding mask of padded rows, or the position ids
+    of packed ones (restarting per example: data/packing.py), whichever the batch carries."""
+    return {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor,

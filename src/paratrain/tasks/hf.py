@@ -59,6 +59,7 @@ class PretrainedTask(NoFrozenModels):
     units_per_sample: ClassVar[Optional[int]] = None  # answers differ in length: per batch
     lora_task_type: ClassVar[str] = "CAUSAL_LM"  # peft's task_type
     auto_class: ClassVar[str] = "AutoModelForCausalLM"  # transformers' class of the model
+    padding_share: ClassVar[Optional[float]] = None  # set per task by `arrange`
 
     @classmethod
     def prepare(cls, cfg: TrainConfig, env: DistEnv, records: Optional[TaskRecords],
@@ -98,9 +99,43 @@ class PretrainedTask(NoFrozenModels):
                 "own")
         task = cls(cfg, encoded.tokenizer, train, val, tokenizer_dir,
                    data_fingerprint=encoded.fingerprint, **encoded.task_fields)
+        task.arrange(log)
         if task.lora:
             log(task.lora_line())
         return task
+
+    def arrange(self, log: Callable[[str], None]) -> None:
+        """data.pack=true: the examples into rows of data.max_length tokens (data/packing.py),
+        made here from the lengths and the seed, before the data is dealt to workers, so 1 and N
+        workers train the same rows. Then the share of computed tokens that are pads, said in
+        the log (with what cuts it) and kept for summary.json."""
+        from ..data.packing import PackedRows, padding_line, padding_share
+        if self.train_ds is None:
+            return
+        seed = self.cfg.trainer.seed
+        lengths = self.token_lengths(self.train_ds)  # (N,)
+        if self.cfg.data.pack:
+            capacity = self.row_capacity()
+            self.train_ds = PackedRows(self.train_ds, lengths, capacity, seed)
+            log(self.train_ds.describe(self.sample_name, "data.max_length"))
+            if self.val_ds is not None:
+                self.val_ds = PackedRows(self.val_ds, self.token_lengths(self.val_ds), capacity,
+                                         seed)
+            self.sample_name = f"packed rows (~{capacity} tokens)"  # what a batch counts
+            lengths = self.train_ds.fill  # (R,)
+        self.padding_share = padding_share(lengths, self.cfg.trainer.batch_size, seed)
+        line = padding_line(self.padding_share, self.cfg.data.pack)
+        if line:
+            log(line)
+
+    @classmethod
+    def token_lengths(cls, ds: Any) -> Any:
+        """(N,) the tokens each sample puts in a row: packing's sizes, the padding estimate."""
+        return ds.lengths if ds.rows is None else ds.lengths[ds.rows]
+
+    def row_capacity(self) -> int:
+        """Tokens per packed row: data.max_length (the model's positions when unset)."""
+        return int(self.cfg.max_length)
 
     @classmethod
     def without_data(cls, cfg: TrainConfig, model_info: dict) -> "PretrainedTask":
@@ -200,6 +235,9 @@ class PretrainedTask(NoFrozenModels):
     @property
     def collate(self) -> Callable[[list], Any]:
         from ..data.examples import PadCollate
+        from ..data.packing import PackCollate
+        if self.cfg.data.pack:
+            return PackCollate(self.tokenizer.pad_token_id)
         return PadCollate(self.tokenizer.pad_token_id)
 
     @property
@@ -212,6 +250,9 @@ class PretrainedTask(NoFrozenModels):
         from .lora import apply_lora
         quiet_transformers()
         model = self.load_pretrained()
+        if self.cfg.data.pack:  # packed rows: the model must keep examples apart (or be refused)
+            from ..models.hf import check_packed_attention
+            check_packed_attention(model)
         if self.lora:
             model = apply_lora(model, self.cfg.model.lora, task_type=self.lora_task_type)
         alpha = self.cfg.trainer.neftune_noise_alpha

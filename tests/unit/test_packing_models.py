@@ -1,0 +1,111 @@
+"""Packed rows keep examples apart (issue 38): an example's logits are the same (1e-6, fp32)
+whether it shares a row with other examples, sits alone, or is padded, for our Llama, our GPT and
+a Hugging Face Llama; and best-fit decreasing rows are deterministic and full."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from paratrain.config.presets import ModelArgs
+from paratrain.data.packing import (
+    PackCollate,
+    best_fit_decreasing,
+    padding_share,
+    restarting_positions,
+)
+from paratrain.models.gpt import GPT
+from paratrain.models.llama import Llama
+
+LENGTHS = (5, 9, 3)  # three examples packed into one row of 17 tokens
+
+
+def _examples(vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in LENGTHS]
+
+
+def _three_ways(model, vocab: int, pad_id: int = 0) -> None:
+    """The middle example's logits alone, packed between two others, and right-padded."""
+    model.eval()
+    a, b, c = _examples(vocab)
+    with torch.no_grad():
+        alone = model(b[None])  # (1, 9, V)
+        packed_ids = torch.cat([a, b, c])[None]  # (1, 17)
+        positions = restarting_positions(LENGTHS)[None]  # (1, 17)
+        packed = model(packed_ids, position_ids=positions)
+        padded_ids = torch.full((2, 12), pad_id)  # (2, 12): b padded by 3
+        padded_ids[0, :9], padded_ids[1, :12] = b, torch.cat([a, torch.zeros(7, dtype=torch.long)])
+        mask = torch.zeros(2, 12, dtype=torch.long)
+        mask[0, :9], mask[1, :5] = 1, 1
+        padded = model(padded_ids, attention_mask=mask)
+    logits = lambda out: out.logits if hasattr(out, "logits") else out  # noqa: E731
+    start = LENGTHS[0]
+    torch.testing.assert_close(logits(packed)[0, start:start + 9], logits(alone)[0],
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits(padded)[0, :9], logits(alone)[0], atol=1e-6, rtol=0)
+    # and the first example (position 0 of the row) is not disturbed by those after it
+    torch.testing.assert_close(logits(packed)[0, :start], logits(model(a[None]))[0],
+                               atol=1e-6, rtol=0)
+
+
+def _args(arch: str) -> ModelArgs:
+    return ModelArgs(arch=arch, hidden_size=32, num_layers=2, num_heads=4,
+                     num_kv_heads=2 if arch == "llama" else 4, intermediate_size=64,
+                     vocab_size=50, max_seq_length=32, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("cls,arch", [(Llama, "llama"), (GPT, "gpt")])
+def test_our_models_keep_packed_examples_apart(cls, arch):
+    torch.manual_seed(0)
+    _three_ways(cls(_args(arch)), 50)
+
+
+def test_a_leak_would_be_seen():
+    """The test can fail: without the position ids, the packed example reads its neighbour."""
+    torch.manual_seed(0)
+    model = Llama(_args("llama")).eval()
+    a, b, _ = _examples(50)
+    with torch.no_grad():
+        leaky = model(torch.cat([a, b])[None])[0, 5:]
+        alone = model(b[None])[0]
+    assert (leaky - alone).abs().max() > 1e-3
+
+
+def test_hf_llama_keeps_packed_examples_apart(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=32,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    _three_ways(model, 50)
+
+
+def test_best_fit_decreasing_is_deterministic_and_fits():
+    lengths = np.random.default_rng(1).integers(1, 100, size=500)
+    rows = best_fit_decreasing(lengths, 128, seed=3)
+    again = best_fit_decreasing(lengths, 128, seed=3)
+    assert all((r == s).all() for r, s in zip(rows, again)) and len(rows) == len(again)
+    assert sorted(np.concatenate(rows).tolist()) == list(range(500))  # each example once
+    fills = np.array([lengths[r].sum() for r in rows])
+    assert fills.max() <= 128
+    assert fills.sum() / (128 * len(rows)) > 0.95  # nearly full rows
+
+
+def test_pack_collate_restarts_positions_and_masks_pads():
+    rows = [[{"input_ids": [1, 2, 3], "targets": [-100, 2, 3]}, {"input_ids": [4, 5],
+                                                                  "targets": [5, 6]}],
+            [{"input_ids": [7], "targets": [8]}]]
+    out = PackCollate(pad_id=0)(rows)
+    assert out["input_ids"].tolist() == [[1, 2, 3, 4, 5], [7, 0, 0, 0, 0]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 0, 1, 2, 3]]
+    assert out["targets"].tolist() == [[-100, 2, 3, 5, 6], [8, -100, -100, -100, -100]]
+
+
+def test_padding_share_of_spread_lengths():
+    lengths = np.array([100, 10] * 8)
+    assert padding_share(lengths, 1, 0) == 0.0
+    assert 0.3 < padding_share(lengths, 8, 0) < 0.5  # most batches mix long and short
