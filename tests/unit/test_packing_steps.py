@@ -75,3 +75,25 @@ def test_the_padding_share_is_said_with_what_cuts_it(pairs_llama):
                           records=records)
     line = next(x for x in lines if x.startswith("padding:"))
     assert padded.padding_share > 0.25 and "data.pack=true" in line, line
+
+
+def _preference(n: int) -> list[dict]:
+    rows = _pairs(n + 1)
+    return [{"prompt": a["input"], "chosen": a["output"], "rejected": b["output"]}
+            for a, b in zip(rows, rows[1:])]
+
+
+@pytest.mark.parametrize("objective,extra", [
+    ("dpo", ()), ("dpo", ("dpo.loss=ipo",)), ("kto", ())])
+def test_preference_packed_step_equals_padded_step(pairs_llama, objective, extra):
+    """DPO (its pair terms, the per-token IPO too) and KTO (its KL estimate from the mismatched
+    half): the same step packed and padded; a pair's two sequences stay in one micro-batch."""
+    records = _preference(30)
+    keys = ["data.format=preference", f"trainer.objective={objective}", *extra]
+    padded, _ = _task(pairs_llama, False, *keys, records=records)
+    packed, lines = _task(pairs_llama, True, *keys, records=records)
+    assert len(packed.train_ds) < len(padded.train_ds) == packed.train_ds.examples
+    assert any(x.startswith("data.pack:") for x in lines)
+    batch = packed.collate([packed.train_ds[0], packed.train_ds[1]])
+    assert packed.count_units(batch) == len(packed.train_ds[0]) + len(packed.train_ds[1])
+    _same_step(padded, packed)

@@ -287,7 +287,7 @@ register(TaskSpec(
     summary="a pretrained model with a sequence-classification head on labelled texts"))
 register(TaskSpec(
     "preference", "paratrain.tasks.preference.dpo:DPOTask", pretrained=True, objective="dpo",
-    record_fields=PREFERENCE_FIELDS, checks=(_check_preference, _check_dpo),
+    record_fields=PREFERENCE_FIELDS, checks=(_check_preference, _check_dpo), packs=True,
     generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as pairs' inputs
     summary="DPO: a pretrained causal LM on prompt/chosen/rejected records, against a frozen "
             "reference"))
@@ -295,10 +295,12 @@ register(TaskSpec(
     "preference", "paratrain.tasks.preference.reward:RewardTask", pretrained=True, objective="reward",
     record_fields=PREFERENCE_FIELDS, checks=(_check_preference,), encoder_decoder=None,
     generate="paratrain.tasks.preference.reward:generate_score",
+    no_pack="a sequence-classification head pools one score per row (transformers' "
+            "*ForSequenceClassification read the last token of each row)",
     summary="a reward model (a one-score head) on preference pairs, Bradley-Terry loss"))
 register(TaskSpec(
     "preference", "paratrain.tasks.preference.kto:KTOTask", pretrained=True, objective="kto",
-    record_fields=PREFERENCE_FIELDS, checks=(_check_kto,),
+    record_fields=PREFERENCE_FIELDS, checks=(_check_kto,), packs=True,
     generate="paratrain.models.hf:generate_hf_reply",
     summary="KTO: a pretrained causal LM on desirable / undesirable completions (preference "
             "pairs, or prompt/completion/label records), against a frozen reference"))

@@ -71,6 +71,10 @@ class PackedRows(Dataset):
     def __getitem__(self, i: int) -> List[Any]:
         return [self.inner[int(j)] for j in self.rows[i]]
 
+    def lengths(self, name: str) -> np.ndarray:
+        """(N,) the inner examples' lengths of one sequence column (a RaggedDataset's)."""
+        return self.inner.lengths(name)
+
     @property
     def examples(self) -> int:
         return len(self.inner)

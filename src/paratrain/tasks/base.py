@@ -175,15 +175,27 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor,
 
 
 def sequence_logps(model: nn.Module, batch: dict, amp: ContextManager) -> torch.Tensor:
-    """(N,) each row's log-probability of its counted targets, summed (pads, prompts:
-    IGNORE_INDEX targets count nothing): DPO's policy and reference scores."""
-    targets = batch["targets"]  # (N, T)
+    """(N,) each sequence's log-probability of its counted targets, summed (pads, prompts:
+    IGNORE_INDEX targets count nothing): DPO's policy and reference scores. A sequence is a row,
+    or, in packed rows, the tokens of one `seq_index` (preference/packed_pairs.py)."""
+    targets = batch["targets"]  # (R, T)
     with amp:
-        out = model(batch["input_ids"], attention_mask=batch["attention_mask"])
-    logits = out.logits if hasattr(out, "logits") else out  # (N, T, V)
+        out = model(batch["input_ids"], **model_inputs(batch))
+    logits = out.logits if hasattr(out, "logits") else out  # (R, T, V)
     per_token = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                 ignore_index=IGNORE_INDEX, reduction="none")  # (N*T,)
-    return per_token.view(targets.shape).sum(-1)  # (N,)
+                                 ignore_index=IGNORE_INDEX, reduction="none")  # (R*T,)
+    return per_sequence(per_token.view(targets.shape), batch)  # (N,)
+
+
+def per_sequence(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """(R, T) per-token values -> (N,) sums per sequence: per row, or for packed rows per
+    `seq_index` (-1 on pads), N = `num_sequences`."""
+    if "seq_index" not in batch:
+        return values.sum(-1)  # (R,)
+    index = batch["seq_index"]  # (R, T)
+    keep = index >= 0
+    out = values.new_zeros(int(batch["num_sequences"]))  # (N,)
+    return out.index_add(0, index[keep], values[keep])
 
 
 def check_picklable(**objects: Any) -> None:

@@ -99,10 +99,15 @@ class PretrainedTask(NoFrozenModels):
                 "own")
         task = cls(cfg, encoded.tokenizer, train, val, tokenizer_dir,
                    data_fingerprint=encoded.fingerprint, **encoded.task_fields)
+        task.attach(env, log)
         task.arrange(log)
         if task.lora:
             log(task.lora_line())
         return task
+
+    def attach(self, env: DistEnv, log: Callable[[str], None]) -> None:
+        """Columns joined to the examples once they are encoded, before packing (DPO: the
+        precomputed reference's log-probs)."""
 
     def arrange(self, log: Callable[[str], None]) -> None:
         """data.pack=true: the examples into rows of data.max_length tokens (data/packing.py),

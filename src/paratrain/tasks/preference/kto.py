@@ -34,6 +34,7 @@ from ...formatting import human_count
 from ..base import NO_FROZEN, Frozen, sequence_logps, to_device
 from ..hf import Encoder
 from .dpo import DPOTask, PairEncoder
+from .packed_pairs import half_rows
 
 
 @dataclass
@@ -48,6 +49,10 @@ class KTOTask(DPOTask):
         from .kto_records import encode_kto
         return PairEncoder(encode_kto, cfg, tokenizer, notes)
 
+    @classmethod
+    def sides(cls) -> tuple[str, str]:
+        return ("completion", "mismatched")
+
     @property
     def collate(self) -> Callable[[list], Any]:
         from .kto_records import KTOCollate
@@ -61,8 +66,8 @@ class KTOTask(DPOTask):
         B = batch["label"].shape[0]
         with torch.no_grad():
             ref = self.reference_logps(model, batch, amp, frozen)  # (2B,)
-            mismatched = sequence_logps(model, _rows(batch, slice(B, None)), amp)  # (B,)
-        policy = sequence_logps(model, _rows(batch, slice(0, B)), amp)  # (B,)
+            mismatched = sequence_logps(model, half_rows(batch, second=True), amp)  # (B,)
+        policy = sequence_logps(model, half_rows(batch, second=False), amp)  # (B,)
         kl = _mean_over_ranks(mismatched - ref[B:]).clamp(min=0)  # 0-dim
         ratio = policy - ref[:B]  # (B,)
         p = self.cfg.kto
@@ -92,10 +97,6 @@ class KTOTask(DPOTask):
     @property
     def model_info(self) -> dict:
         return {**super().model_info, "objective": "kto"}
-
-
-def _rows(batch: dict, rows: slice) -> dict:
-    return {k: batch[k][rows] for k in ("input_ids", "attention_mask", "targets")}
 
 
 def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
