@@ -38,8 +38,12 @@ def check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
             if spec.pretrained else
             f"data.pack applies to fine-tuning formats ({one_of(registry.names(pretrained=True))}"
             f"); data.format={d.format} " + (
-                "already packs documents into windows (data.document_mask=true keeps each "
-                "window's documents apart)" if spec.packed else "keeps one document per row"))
+                "already packs documents into windows" if spec.packed else
+                "keeps one document per row"))
+    if d.group_by_length and not spec.pretrained:
+        raise ConfigError(f"data.group_by_length applies to fine-tuning formats; data.format="
+                          f"{d.format} " + ("cuts full windows, all of one length" if spec.packed
+                                            else "pads one document per row of data.seq_length"))
     if spec.pretrained:
         if cfg.model.arch != "hf":
             raise ConfigError(f"data.format={d.format} fine-tunes a pretrained Hugging Face "

@@ -131,14 +131,21 @@ class PackCollate:
         return {"input_ids": input_ids, "targets": targets, "position_ids": position_ids}
 
 
-def padding_share(lengths: np.ndarray, micro_batch: int, seed: int) -> Optional[float]:
+def padding_share(lengths: np.ndarray, micro_batch: int, seed: int,
+                  grouped: bool = False) -> Optional[float]:
     """The share of the tokens a micro-batch computes that are pads, when samples of these
     lengths (tokens per sample; a packed row's fill) are batched `micro_batch` at a time in a
-    seeded order and padded to the longest of each batch: an estimate over one epoch."""
+    seeded order (`grouped`: data.group_by_length's) and padded to the longest of each batch:
+    an estimate over one epoch."""
+    from .sampler import GROUP_WINDOW, group_by_length
     lengths = np.asarray(lengths, dtype=np.int64)  # (N,)
     if len(lengths) == 0 or micro_batch < 1:
         return None
-    order = lengths[np.random.default_rng(seed).permutation(len(lengths))]  # (N,)
+    order = np.random.default_rng(seed).permutation(len(lengths))  # (N,)
+    if grouped:
+        order = group_by_length(torch.from_numpy(order), torch.from_numpy(lengths),
+                                GROUP_WINDOW * micro_batch).numpy()
+    order = lengths[order]  # (N,)
     cut = len(order) // micro_batch * micro_batch or len(order)
     batches = order[:cut].reshape(-1, min(micro_batch, cut))  # (N/b, b)
     computed = int(batches.max(axis=1).sum()) * batches.shape[1]
@@ -153,5 +160,6 @@ def padding_line(share: Optional[float], packed: bool) -> Optional[str]:
             + ("(packed rows padded to the longest row of a micro-batch)" if packed else
                "(examples padded to the longest of each micro-batch)"))
     if share > 0.25 and not packed:
-        line += "; data.pack=true packs several examples into each row and cuts it"
+        line += ("; data.pack=true packs several examples into each row and cuts it (or "
+                 "data.group_by_length=true, for the formats that cannot pack)")
     return line

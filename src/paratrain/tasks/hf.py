@@ -118,7 +118,13 @@ class PretrainedTask(NoFrozenModels):
         if self.train_ds is None:
             return
         seed = self.cfg.trainer.seed
-        lengths = self.token_lengths(self.train_ds)  # (N,)
+        lengths = self.token_lengths(self.train_ds)  # (N,), None: not a padded sequence task
+        if lengths is None:
+            if self.cfg.data.group_by_length:
+                raise ConfigError(f"data.group_by_length=true: data.format="
+                                  f"{self.cfg.data.format}'s samples have no one length to "
+                                  "group by; leave it false")
+            return
         if self.cfg.data.pack:
             capacity = self.row_capacity()
             self.train_ds = PackedRows(self.train_ds, lengths, capacity, seed)
@@ -128,14 +134,23 @@ class PretrainedTask(NoFrozenModels):
                                          seed)
             self.sample_name = f"packed rows (~{capacity} tokens)"  # what a batch counts
             lengths = self.train_ds.fill  # (R,)
-        self.padding_share = padding_share(lengths, self.cfg.trainer.batch_size, seed)
+        self.padding_share = padding_share(lengths, self.cfg.trainer.batch_size, seed,
+                                           grouped=self.cfg.data.group_by_length)
         line = padding_line(self.padding_share, self.cfg.data.pack)
         if line:
             log(line)
 
+    def sample_lengths(self) -> Any:
+        """(N,) each training sample's tokens (a packed row's fill): data.group_by_length's key."""
+        return self.train_ds.fill if self.cfg.data.pack else self.token_lengths(self.train_ds)
+
     @classmethod
     def token_lengths(cls, ds: Any) -> Any:
-        """(N,) the tokens each sample puts in a row: packing's sizes, the padding estimate."""
+        """(N,) the tokens each sample puts in a row: packing's sizes, the padding estimate,
+        data.group_by_length's key; None for samples that are not one padded sequence."""
+        from ..data.examples import FinetuneDataset
+        if not isinstance(ds, FinetuneDataset):
+            return None
         return ds.lengths if ds.rows is None else ds.lengths[ds.rows]
 
     def row_capacity(self) -> int:
