@@ -135,3 +135,32 @@ def test_group_by_length_is_the_same_global_batches_on_one_and_two_workers():
     assert waste(steps(1, True)) < 0.3 * waste(steps(1, False))
     share = padding_share(lengths, 8, 7, grouped=True)
     assert share < 0.5 * padding_share(lengths, 8, 7)
+
+
+def test_document_mask_keeps_a_windows_documents_apart():
+    """data.document_mask=true (pretraining): positions restart after each [EOT], so the second
+    document of a window gets the logits it gets alone (our Llama)."""
+    from paratrain.data.packing import DocumentCollate, document_positions
+    eot = 49
+    window = torch.tensor([[3, 4, 5, eot, 7, 8, 9, 10]])
+    assert document_positions(window, eot).tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    batch = DocumentCollate(eot)([{"input_ids": window[0], "targets": window[0]}])
+    torch.manual_seed(0)
+    model = Llama(_args("llama")).eval()
+    with torch.no_grad():
+        masked = model(batch["input_ids"], position_ids=batch["position_ids"])[0, 4:]
+        alone = model(window[:, 4:])[0]
+        crossing = model(window)[0, 4:]
+    torch.testing.assert_close(masked, alone, atol=1e-6, rtol=0)
+    assert (crossing - alone).abs().max() > 1e-3  # without it, the window attends across
+
+
+def test_document_mask_and_packing_are_refused_where_they_do_not_apply(tmp_path):
+    from paratrain.config import TrainConfig
+    from paratrain.errors import ConfigError
+    assert TrainConfig.from_yaml(None, ["data.document_mask=true"]).data.document_mask
+    with pytest.raises(ConfigError, match="data.document_mask applies to data.format=packed"):
+        TrainConfig.from_yaml(None, ["data.format=padded", "data.document_mask=true"])
+    with pytest.raises(ConfigError, match="pipeline_parallel"):
+        TrainConfig.from_yaml(None, ["data.document_mask=true", "trainer.pipeline_parallel=2",
+                                     "trainer.devices=cpu:2"])

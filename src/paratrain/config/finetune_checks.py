@@ -40,6 +40,15 @@ def check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
             f"); data.format={d.format} " + (
                 "already packs documents into windows" if spec.packed else
                 "keeps one document per row"))
+    if d.document_mask and not (spec.packed and not spec.pretrained):
+        raise ConfigError(f"data.document_mask applies to data.format=packed (windows that span "
+                          f"documents); data.format={d.format} " + (
+                              "keeps one document per row already" if not spec.pretrained else
+                              "keeps examples apart with data.pack=true"))
+    if d.document_mask and cfg.trainer.pipeline_parallel > 1:
+        raise ConfigError("data.document_mask=true cannot run under trainer.pipeline_parallel > 1 "
+                          "(the stages pass activations alone, not the positions); use one "
+                          "or leave data.document_mask=false")
     if d.group_by_length and not spec.pretrained:
         raise ConfigError(f"data.group_by_length applies to fine-tuning formats; data.format="
                           f"{d.format} " + ("cuts full windows, all of one length" if spec.packed

@@ -125,6 +125,10 @@ class DataConfig:
     and attention kept inside it: the same losses as padded batches with far fewer pads.
     trainer.batch_size then counts rows. false: examples padded to the longest of each
     micro-batch."""
+    document_mask: bool = False
+    """packed: attention stays inside each document of a window and positions restart at each
+    (torchtitan's block-causal attention); false: a window attends across the documents it
+    spans, separated by [EOT] only."""
     group_by_length: bool = False
     """Micro-batches of examples of similar lengths (as Hugging Face's option): the epoch's
     shuffled order is sorted by length inside windows of 50 global batches, so pads shrink for

@@ -163,3 +163,29 @@ def padding_line(share: Optional[float], packed: bool) -> Optional[str]:
         line += ("; data.pack=true packs several examples into each row and cuts it (or "
                  "data.group_by_length=true, for the formats that cannot pack)")
     return line
+
+
+def document_positions(input_ids: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """(B, T) position ids that restart at 0 after every end-of-document token: a pretraining
+    window spanning several documents (data.document_mask=true, torchtitan's block-causal
+    attention). The [EOT] itself ends its document (it predicts the next one's first token from
+    its own document only)."""
+    B, T = input_ids.shape
+    idx = torch.arange(T, device=input_ids.device).expand(B, T)  # (B, T)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)  # (B, T)
+    starts[:, 1:] = input_ids[:, :-1] == eot_id
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # (B, T)
+    return idx - first  # (B, T)
+
+
+class DocumentCollate:
+    """Pretraining windows (list of {key: (L,)}) -> (B, L) tensors plus position_ids restarting
+    at each document (`document_positions`): the model keeps attention inside each document."""
+
+    def __init__(self, eot_id: int):
+        self.eot_id = int(eot_id)
+
+    def __call__(self, batch: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        out = {key: torch.stack([sample[key] for sample in batch]) for key in batch[0]}
+        out["position_ids"] = document_positions(out["input_ids"], self.eot_id)  # (B, L)
+        return out
