@@ -164,3 +164,38 @@ def test_document_mask_and_packing_are_refused_where_they_do_not_apply(tmp_path)
     with pytest.raises(ConfigError, match="pipeline_parallel"):
         TrainConfig.from_yaml(None, ["data.document_mask=true", "trainer.pipeline_parallel=2",
                                      "trainer.devices=cpu:2"])
+
+
+def test_hf_llama_with_paratrains_packed_attention_keeps_examples_apart():
+    """data.pack=true switches an SDPA model to `paratrain_packed` (each example its own causal
+    SDPA on the CPU): the same logits as alone or padded, and the gradients flow."""
+    transformers = pytest.importorskip("transformers")
+    from paratrain.models.hf import PACKED_ATTENTION, check_packed_attention, use_packed_attention
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    use_packed_attention(model)
+    check_packed_attention(model)
+    assert model.config._attn_implementation == PACKED_ATTENTION
+    _three_ways(model, 50)
+    model.train()
+    ids = torch.cat(_examples(50))[None]
+    model(ids, position_ids=restarting_positions(LENGTHS)[None]).logits.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_a_model_that_leaks_is_refused_in_one_line():
+    transformers = pytest.importorskip("transformers")
+    from paratrain.errors import ConfigError
+    from paratrain.models.hf import check_packed_attention
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    model.forward_plain = model.forward
+    model.forward = lambda ids, position_ids=None, **kw: model.forward_plain(ids, **kw)  # drops
+    with pytest.raises(ConfigError, match="lets packed examples see each other") as e:
+        check_packed_attention(model)
+    assert "\n" not in str(e.value) and "data.group_by_length=true" in str(e.value)

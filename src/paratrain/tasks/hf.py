@@ -271,7 +271,8 @@ class PretrainedTask(NoFrozenModels):
         quiet_transformers()
         model = self.load_pretrained()
         if self.cfg.data.pack:  # packed rows: the model must keep examples apart (or be refused)
-            from ..models.hf import check_packed_attention
+            from ..models.hf import check_packed_attention, use_packed_attention
+            use_packed_attention(model)
             check_packed_attention(model)
         if self.lora:
             model = apply_lora(model, self.cfg.model.lora, task_type=self.lora_task_type)
