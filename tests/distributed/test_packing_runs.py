@@ -66,3 +66,26 @@ def test_a_packed_run_that_died_resumes_bit_identical(tmp_path_factory, tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from step 4" in r.stderr
     assert_bit_identical(died, ref.dir)
+
+
+def test_the_preference_guides_packing_block_runs_as_printed(tmp_path, pairs_llama):
+    """docs/guides/preference.md's packed DPO command, in a folder holding my-model/ and
+    prefs.jsonl, as a user copies it."""
+    import shutil
+
+    from tests.e2e._doc_blocks import doc_blocks
+    mine = [b for b in doc_blocks() if b.marker == "run by" and b.page.endswith("preference.md")
+            and b.reason.startswith("tests/distributed/test_packing_runs.py")]
+    commands = [args for b in mine for args in b.commands()]
+    assert commands and all("data.pack=true" in c for c in commands)
+    shutil.copytree(pairs_llama, tmp_path / "my-model")
+    rows = make_pairs(61)
+    write_jsonl(tmp_path / "prefs.jsonl", [
+        {"prompt": a["input"], "chosen": a["output"], "rejected": b["output"]}
+        for a, b in zip(rows, rows[1:])])
+    for args in commands:
+        r = run_cli(args[1:], cwd=tmp_path, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "pairs per row on average" in r.stderr and "counts rows" in r.stderr
+    summary = json.loads((tmp_path / "runs" / "dpo-packed" / "summary.json").read_text())
+    assert summary["padding_share"] < 0.5 and summary["steps"] == 4

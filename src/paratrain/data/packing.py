@@ -82,7 +82,7 @@ class PackedRows(Dataset):
     def describe(self, what: str, length_key: str) -> str:
         """One log line: how many examples went into how many rows, and what a batch counts."""
         return (f"data.pack: {self.examples:,} {what} in {len(self):,} rows of up to "
-                f"{length_key}={self.capacity} tokens, {self.examples / max(1, len(self)):.2f} "
+                f"{self.capacity} tokens ({length_key}), {self.examples / max(1, len(self)):.2f} "
                 f"{what} per row on average ({_share(self.fill.sum(), self.capacity * len(self))}"
                 " of each row filled); trainer.batch_size counts rows")
 

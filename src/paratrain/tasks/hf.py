@@ -60,6 +60,7 @@ class PretrainedTask(NoFrozenModels):
     lora_task_type: ClassVar[str] = "CAUSAL_LM"  # peft's task_type
     auto_class: ClassVar[str] = "AutoModelForCausalLM"  # transformers' class of the model
     padding_share: ClassVar[Optional[float]] = None  # set per task by `arrange`
+    row_capacity_key: ClassVar[str] = "data.max_length"  # a packed row's size, in log lines
 
     @classmethod
     def prepare(cls, cfg: TrainConfig, env: DistEnv, records: Optional[TaskRecords],
@@ -128,7 +129,7 @@ class PretrainedTask(NoFrozenModels):
         if self.cfg.data.pack:
             capacity = self.row_capacity()
             self.train_ds = PackedRows(self.train_ds, lengths, capacity, seed)
-            log(self.train_ds.describe(self.sample_name, "data.max_length"))
+            log(self.train_ds.describe(self.sample_name, self.row_capacity_key))
             if self.val_ds is not None:
                 self.val_ds = PackedRows(self.val_ds, self.token_lengths(self.val_ds), capacity,
                                          seed)

@@ -105,6 +105,8 @@ class PairTask:
     def sides(cls) -> tuple[str, str]:
         return ("chosen", "rejected")
 
+    row_capacity_key: ClassVar[str] = "2 x data.max_length"
+
     def row_capacity(self) -> int:
         """A packed row holds whole pairs: up to two sequences of data.max_length each."""
         return 2 * int(self.cfg.max_length)
