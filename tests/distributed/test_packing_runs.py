@@ -54,6 +54,8 @@ def test_one_and_two_workers_train_the_same_packed_rows(tmp_path_factory, pairs_
         assert "per row on average" in run.stderr
         summary = json.loads((run.dir / "summary.json").read_text())
         assert 0 <= summary["padding_share"] < 0.25
+        config = json.loads((run.dir / "model" / "config.json").read_text())
+        assert config["use_cache"] is True  # off while training packed rows, back for generate
 
 
 def test_a_packed_run_that_died_resumes_bit_identical(tmp_path_factory, tmp_path, pairs_llama,

@@ -330,6 +330,8 @@ class PretrainedTask(NoFrozenModels):
         name transformers 4.x does not know, and a config.json 4.x reads too."""
         copy_tokenizer_files(self.tokenizer_dir, folder)
         make_portable(folder)
+        if self.cfg.data.pack:  # training switched the cache off (packed rows); generation wants it
+            restore_use_cache(folder, self.cfg.model.path)
 
 
 def neftune_noise(alpha: float, module: nn.Module, inputs: Any, output: Any) -> Any:
@@ -351,3 +353,17 @@ def record_sources(cfg: TrainConfig, records: Optional[TaskRecords]) -> tuple[An
         raise ConfigError(f"data.format={d.format} needs data.source: a .jsonl, .parquet or .csv "
                           "file (or a datasets folder) of records")
     return d.source, d.val_source or None
+
+
+def restore_use_cache(folder: Path, base: Any) -> None:
+    """config.json's use_cache as the base model's (packed training turned it off)."""
+    import json
+
+    from ..config.model_folder import model_config
+    from ..fileio import atomic_write_text
+    path = folder / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    config["use_cache"] = model_config(base).get("use_cache", True)
+    atomic_write_text(path, json.dumps(config, indent=2) + "\n")
