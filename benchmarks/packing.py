@@ -9,9 +9,10 @@ stream; example lengths are drawn log-normal (median 300 tokens, sigma 0.9, cut 
 each example the next that many tokens of the stream (the first tenth, at least 8 tokens, its
 input, the rest its output). The machine may be shared: the runs are interleaved (padded,
 packed, padded, packed, ...) and the load average is printed before and after each, so the
-ratio compares like with like. Padded: 8 examples per device (16 a step); packed: 2 rows of
-2,048 tokens per device (about 5 examples a row, so about 20 a step); the same learning rate,
-one epoch each; the held-out loss is the final validation loss on the same 100 held-out pairs.
+ratio compares like with like. Padded: 10 examples per device (20 a step, 50 steps); packed: 2
+rows of 2,048 tokens per device (5 examples a row on average, so about 20 a step, 50 steps): the
+same examples per step and the same learning rate, one epoch each; the held-out loss is the
+final validation loss on the same 100 held-out pairs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ COMMON = ["model.arch=hf", "data.format=pairs", "data.max_length=2048", "trainer
           "trainer.max_steps=null", "trainer.epochs=1", "trainer.eval_every=100000",
           "trainer.log_every=10", "trainer.progress_bar=false", "optim.lr=3e-3",
           "optim.warmup_steps=5", "trainer.seed=0"]
-VARIANTS = {"padded": ["data.pack=false", "trainer.batch_size=8"],
+VARIANTS = {"padded": ["data.pack=false", "trainer.batch_size=10"],
             "packed": ["data.pack=true", "trainer.batch_size=2"]}
 
 

@@ -97,3 +97,20 @@ def test_preference_packed_step_equals_padded_step(pairs_llama, objective, extra
     batch = packed.collate([packed.train_ds[0], packed.train_ds[1]])
     assert packed.count_units(batch) == len(packed.train_ds[0]) + len(packed.train_ds[1])
     _same_step(padded, packed)
+
+
+def test_plan_says_the_padding_share(pairs_llama, tmp_path, capsys):
+    """`paratrain plan` on a fine-tuning config: the padding share, and the line that cuts it."""
+    import json
+
+    from paratrain.cli import main
+    from tests.e2e._tiny_model import write_jsonl
+    data = write_jsonl(tmp_path / "train.jsonl", _pairs(60))
+    base = ["plan", "model.arch=hf", f"model.path={pairs_llama}", "data.format=pairs",
+            f"data.source={data}", f"data.cache_dir={tmp_path / 'cache'}",
+            "trainer.batch_size=16"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "padding: about" in out and "data.pack=true" in out
+    assert main(base + ["data.pack=true", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["padding_share"] < 0.25
