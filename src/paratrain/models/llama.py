@@ -7,6 +7,7 @@ Each TransformerBlock is self-contained (it owns its rotary tables) and its forw
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -229,7 +230,8 @@ def check_input(idx: torch.Tensor, attention_mask: Optional[torch.Tensor],
 
 def segments_of(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) positions -> (B, T) segment ids: a new segment wherever the position does not
-    follow the previous one by 1 (transformers' rule for packed rows, find_packed_sequence_indices)."""
+    follow the previous one by 1 (transformers' rule for packed rows:
+    masking_utils.find_packed_sequence_indices)."""
     step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)  # (B, T)
     return (step != 1).cumsum(-1)  # (B, T)
 
@@ -256,19 +258,15 @@ def document_mask(position_ids: torch.Tensor, attention_mask: Optional[torch.Ten
     return (seg[:, None, :, None] == seg[:, None, None, :]) & causal  # (B, 1, T, T)
 
 
+@functools.lru_cache(maxsize=None)
 def _flex() -> Any:
-    """torch's compiled flex_attention, or None where this torch has none."""
+    """torch's flex_attention, compiled once per process on first use; None where this torch
+    has none."""
     try:
         from torch.nn.attention.flex_attention import flex_attention
     except ImportError:
         return None
-    global _FLEX_COMPILED
-    if _FLEX_COMPILED is None:
-        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
-    return _FLEX_COMPILED
-
-
-_FLEX_COMPILED: Any = None  # compiled once per process, on first use (a cache, not state)
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,

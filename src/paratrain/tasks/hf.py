@@ -1,7 +1,7 @@
 """What every fine-tuning task on a pretrained Hugging Face model shares: the model's own
 tokenizer (nothing is retrained), the records (files or the Python API's lists), the held-out
-validation split, LoRA, pad-to-longest or packed batches (data.pack), and a `from_pretrained` output folder that carries
-the tokenizer files byte for byte. A task (sft.py, classify.py) adds its encoder, the
+validation split, LoRA, pad-to-longest or packed batches (data.pack), and a `from_pretrained`
+output folder that carries the tokenizer files byte for byte. A task (sft.py, classify.py) adds its encoder, the
 transformers auto class it loads, and its loss.
 
 The records are encoded once, by the launcher, into a cache keyed by everything that changes them
