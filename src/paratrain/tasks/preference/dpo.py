@@ -174,7 +174,8 @@ class DPOTask(PairTask, CausalLMTask):
         model = build_hf(HFArgs(str(path), len(self.tokenizer)))
         model.config.pad_token_id = self.tokenizer.pad_token_id
         if self.cfg.data.pack:  # it scores the same packed rows as the policy
-            from ...models.hf import check_packed_attention
+            from ...models.hf import check_packed_attention, use_packed_attention
+            use_packed_attention(model)
             check_packed_attention(model)
         return model
 
