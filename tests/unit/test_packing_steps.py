@@ -84,7 +84,8 @@ def _preference(n: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("objective,extra", [
-    ("dpo", ()), ("dpo", ("dpo.loss=ipo",)), ("kto", ())])
+    ("dpo", ()), ("dpo", ("dpo.loss=ipo",)), ("dpo", ("dpo.precompute_reference=true",)),
+    ("kto", ())])
 def test_preference_packed_step_equals_padded_step(pairs_llama, objective, extra):
     """DPO (its pair terms, the per-token IPO too) and KTO (its KL estimate from the mismatched
     half): the same step packed and padded; a pair's two sequences stay in one micro-batch."""
