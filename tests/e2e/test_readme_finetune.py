@@ -88,12 +88,17 @@ def test_every_command_and_python_block_runs_as_printed(user_folder):
                 assert lines[0] == prompt and len(lines) >= 2, r.stdout
         elif "model.lora.r=8" in args:
             assert "LoRA: adapters on 4 modules (q_proj x2, v_proj x2)" in r.stderr, r.stderr
+        elif "data.pack=true" in args:  # the rows, what a batch counts, the pads left
+            assert "examples per row on average" in r.stderr and "counts rows" in r.stderr
+            assert "padding: about" in r.stderr, r.stderr[-3000:]
         elif "data.format=chat" in args:  # no val_source: the log says what was held out
             assert "validation: 4 of 200 examples held out (data.val_fraction=0.02)" in r.stderr
     runs = user_folder / "runs"
     names = {p.name for p in runs.iterdir()}
     assert {"my-model-pairs", "my-model-pairs-lora", "my-model-chat",
-            "my-model-classify"} <= names, names
+            "my-model-classify", "my-model-packed"} <= names, names
+    assert json.loads((runs / "my-model-packed" / "summary.json").read_text()
+                      )["padding_share"] < 0.25  # issue 38: packed rows are nearly full
     assert "system_prompt: Answer in one line." in (runs / "my-model-chat" / "config.yaml"
                                                     ).read_text()
     for i, code in enumerate(python):

@@ -93,8 +93,8 @@ def test_secrets_never_dumped():
 
 
 def test_classify_and_packing_of_examples(tmp_path):
-    """data.format=classify needs a pretrained model; packing examples into one row is refused
-    with why and what to use instead (attention could cross from one example to the next)."""
+    """data.format=classify needs a pretrained model; packing is refused, with why and what to
+    use instead, for the formats that cannot pack exactly (pairs and chat pack: issue 38)."""
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     hf = ["model.arch=hf", f"model.path={tmp_path}"]
     cfg = TrainConfig.from_yaml(None, hf + ["data.format=classify", "data.label_field=y"])
@@ -104,10 +104,11 @@ def test_classify_and_packing_of_examples(tmp_path):
     with pytest.raises(ConfigError, match="needs data.text_field and data.label_field"):
         TrainConfig.from_yaml(None, hf + ["data.format=classify", "data.label_field=''"])
     for fmt in ("pairs", "chat"):
-        with pytest.raises(ConfigError) as e:
-            TrainConfig.from_yaml(None, hf + [f"data.format={fmt}", "data.pack=true"])
-        msg = str(e.value)
-        assert "\n" not in msg and "attention" in msg and "data.pack=false" in msg
+        assert TrainConfig.from_yaml(None, hf + [f"data.format={fmt}", "data.pack=true"]).data.pack
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_yaml(None, hf + ["data.format=classify", "data.pack=true"])
+    msg = str(e.value)
+    assert "\n" not in msg and "one output per row" in msg and "data.group_by_length=true" in msg
     with pytest.raises(ConfigError, match="already packs"):
         TrainConfig.from_yaml(None, ["data.pack=true"])
 

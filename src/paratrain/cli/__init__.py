@@ -129,35 +129,43 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from ..parallel.memory_estimate import estimates_for_config, format_estimates
     path, overrides = _split_config_args(ns.args)
     cfg = TrainConfig.from_yaml(path, overrides)
+    task = _plan_task(cfg)
+    share = None if task is None else task.padding_share
+    if task is not None and task.memory_probe() is None:  # the padding alone: said, no table
+        from ..data.packing import padding_line
+        print(json.dumps({"padding_share": share}) if ns.json else
+              f"{padding_line(share, cfg.data.pack)}\nmemory: paratrain plan cannot measure "
+              f"data.format={cfg.data.format}'s model yet (trainer.strategy=auto picks ddp)")
+        return 0
     if at_scale(cfg):  # a target layout, or tensor parallelism: simulate the parallelized model
         from ..parallel.simulate import format_simulation, simulate_at_scale
         rows, target, pick, work = simulate_at_scale(cfg)
         capacity = target.capacity
         text = format_simulation(rows, target, pick, work, cfg.model.preset or cfg.model.arch)
     else:  # this machine: measure activations with a real forward on the CPU
-        rows, capacity, pick = estimates_for_config(cfg, probe=_task_probe(cfg))
+        probe = None if task is None else task.memory_probe()
+        rows, capacity, pick = estimates_for_config(cfg, probe=probe)
         text = format_estimates(rows, capacity, pick)
+    if share is not None:
+        from ..data.packing import padding_line
+        text += f"\n{padding_line(share, cfg.data.pack)}"
     if ns.json:
         print(json.dumps({"rows": [r.to_dict() for r in rows], "capacity_bytes": capacity,
-                          "auto": {"strategy": pick.label, "why": pick.why}}, indent=2))
+                          "auto": {"strategy": pick.label, "why": pick.why},
+                          "padding_share": share}, indent=2))
     else:
         print(text)
     return 0
 
 
-def _task_probe(cfg: "TrainConfig") -> Any:
-    """A fine-tuning task's model (and its frozen models) for the memory plan; None: the
-    config's own model (model.arch llama/gpt)."""
+def _plan_task(cfg: "TrainConfig") -> Any:
+    """A fine-tuning task, prepared as a run would (its memory probe, its padding share); None:
+    the config's own model (model.arch llama/gpt) on a corpus."""
     if not cfg.task_spec.pretrained:
         return None
     from ..dist import DistEnv
-    from ..errors import ConfigError
     from ..runtime.rank import prepare_task
-    probe = prepare_task(cfg, DistEnv(), quiet=True).memory_probe()
-    if probe is None:
-        raise ConfigError(f"paratrain plan cannot measure data.format={cfg.data.format}'s model "
-                          "yet (trainer.strategy=auto picks ddp for it)")
-    return probe
+    return prepare_task(cfg, DistEnv(), quiet=True)
 
 
 def at_scale(cfg) -> bool:

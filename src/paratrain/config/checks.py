@@ -263,6 +263,8 @@ def _check_context_parallel(cfg: Any) -> None:
         (tr.pipeline_parallel > 1, f"cannot be combined with trainer.pipeline_parallel="
          f"{tr.pipeline_parallel} yet; set one of them to 1"),
         (tr.cpu_offload, "is not supported with trainer.cpu_offload=true; set one of them off"),
+        (cfg.data.document_mask, "cannot split windows with data.document_mask=true yet (each "
+         "rank would need every document's bounds); set one of them off"),
     )
     for refused, why in refusals:
         if refused:

@@ -44,8 +44,19 @@ class DataConfig:
     the instruction, a blank line between) | prompt_completion (prompt and completion as chat
     messages, one conversation)."""
     pack: bool = False
-    """pairs / chat: several examples per row (refused for now: examples are padded to the
-    longest of each micro-batch instead)."""
+    """pairs / chat / preference (DPO, KTO): several examples per row of data.max_length tokens
+    (best-fit decreasing, made from the seed before the data is split between workers), each
+    with its own positions and attention kept inside it: the same losses as padded batches with
+    far fewer pads. trainer.batch_size then counts rows. false: examples padded to the longest of
+    each micro-batch."""
+    document_mask: bool = False
+    """packed: attention stays inside each document of a window and positions restart at each
+    (torchtitan's block-causal attention); false: a window attends across the documents it
+    spans, separated by [EOT] only."""
+    group_by_length: bool = False
+    """Micro-batches of examples of similar lengths (as Hugging Face's option): the epoch's
+    shuffled order is sorted by length inside windows of 50 global batches, so pads shrink for
+    the formats that cannot pack; the same batches on 1 and N workers."""
     padded_overflow: str = "truncate"
     """padded: a document longer than seq_length is cut to one row (truncate: the rest is
     dropped, the log counts it) or continues in as many rows as it needs (split)."""

@@ -39,7 +39,8 @@ GROUPS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
             "text_field", "label_field", "input_field", "output_field", "messages_field",
             "prompt_field", "chosen_field", "rejected_field", "margin_field")),
         ("Fine-tuning examples", (
-            "val_source", "max_length", "chat_template", "system_prompt", "pack")),
+            "val_source", "max_length", "chat_template", "system_prompt", "pack",
+            "group_by_length")),
     ],
 }
 

@@ -30,17 +30,29 @@ def check_data_format(cfg: Any, spec: registry.TaskSpec) -> None:
     """Fine-tuning formats need a pretrained model and its tokenizer; corpora a tokenizer kind;
     then the task's own checks."""
     d = cfg.data
-    if d.pack:
+    if d.pack and not spec.packs:
         raise ConfigError(
-            "data.pack=true is refused: packing several examples into one row lets attention "
-            "cross from one example into the next unless the model takes a block-diagonal mask "
-            "or per-example positions, which paratrain cannot guarantee for a Hugging Face "
-            "model; leave data.pack=false (examples are padded to the longest of each "
-            "micro-batch, which wastes little) or use data.format=packed for plain text"
+            f"data.pack=true cannot pack data.format={d.format} (trainer.objective="
+            f"{spec.objective}) exactly: {spec.no_pack}; leave data.pack=false"
+            + " and set data.group_by_length=true to cut the padding instead"
             if spec.pretrained else
-            f"data.pack applies to data.format=pairs or chat; data.format={d.format} "
-            + ("already packs documents into windows" if spec.packed else
-               "keeps one document per row"))
+            f"data.pack applies to fine-tuning formats ({one_of(registry.names(pretrained=True))}"
+            f"); data.format={d.format} " + (
+                "already packs documents into windows" if spec.packed else
+                "keeps one document per row"))
+    if d.document_mask and not (spec.packed and not spec.pretrained):
+        raise ConfigError(f"data.document_mask applies to data.format=packed (windows that span "
+                          f"documents); data.format={d.format} " + (
+                              "keeps one document per row already" if not spec.pretrained else
+                              "keeps examples apart with data.pack=true"))
+    if d.document_mask and cfg.trainer.pipeline_parallel > 1:
+        raise ConfigError("data.document_mask=true cannot run under trainer.pipeline_parallel > 1 "
+                          "(the stages pass activations alone, not the positions); use one "
+                          "or leave data.document_mask=false")
+    if d.group_by_length and not spec.pretrained:
+        raise ConfigError(f"data.group_by_length applies to fine-tuning formats; data.format="
+                          f"{d.format} " + ("cuts full windows, all of one length" if spec.packed
+                                            else "pads one document per row of data.seq_length"))
     if spec.pretrained:
         if cfg.model.arch != "hf":
             raise ConfigError(f"data.format={d.format} fine-tunes a pretrained Hugging Face "

@@ -50,6 +50,8 @@ class TaskSpec:
     objective: str = "lm"  # its trainer.objective value; a format's first task is auto's
     encoder_decoder: Optional[bool] = False  # the models it trains: True encoder-decoder (T5,
     # BART), False decoder-only, None either (its own check_model refuses what it cannot train)
+    packs: bool = False  # data.pack=true: several examples per row, kept apart (data/packing.py)
+    no_pack: str = "it reads one output per row (a class, a score or an embedding)"  # and why not
 
     def load(self) -> Any:
         """The Task class."""
@@ -183,11 +185,11 @@ register(TaskSpec(
 register(TaskSpec(
     "pairs", "paratrain.tasks.sft:PairsTask", pretrained=True, objective="sft",
     record_fields=("input", "output"), generate="paratrain.models.hf:generate_hf_reply",
-    summary="a pretrained causal LM on input->output pairs, the loss on the outputs"))
+    packs=True, summary="a pretrained causal LM on input->output pairs, the loss on the outputs"))
 register(TaskSpec(
     "chat", "paratrain.tasks.sft:ChatTask", pretrained=True, objective="sft",
     record_fields=("messages",), generate="paratrain.models.hf:generate_hf_chat",
-    summary="a pretrained causal LM on conversations, the loss on the assistant turns"))
+    packs=True, summary="a pretrained causal LM on conversations, the loss on the assistant turns"))
 register(TaskSpec(
     "classify", "paratrain.tasks.classify:ClassifyTask", pretrained=True, objective="classify",
     record_fields=("text", "label"), checks=(_check_classify,), encoder_decoder=None,
@@ -195,7 +197,7 @@ register(TaskSpec(
     summary="a pretrained model with a sequence-classification head on labelled texts"))
 register(TaskSpec(
     "preference", "paratrain.tasks.preference.dpo:DPOTask", pretrained=True, objective="dpo",
-    record_fields=PREFERENCE_FIELDS, checks=(check_preference_fields, check_dpo),
+    record_fields=PREFERENCE_FIELDS, checks=(check_preference_fields, check_dpo), packs=True,
     generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as pairs' inputs
     summary="DPO: a pretrained causal LM on prompt/chosen/rejected records, against a frozen "
             "reference"))
@@ -203,10 +205,12 @@ register(TaskSpec(
     "preference", "paratrain.tasks.preference.reward:RewardTask", pretrained=True, objective="reward",
     record_fields=PREFERENCE_FIELDS, checks=(check_preference_fields,), encoder_decoder=None,
     generate="paratrain.tasks.preference.reward:generate_score",
+    no_pack="a sequence-classification head pools one score per row (transformers' "
+            "*ForSequenceClassification read the last token of each row)",
     summary="a reward model (a one-score head) on preference pairs, Bradley-Terry loss"))
 register(TaskSpec(
     "preference", "paratrain.tasks.preference.kto:KTOTask", pretrained=True, objective="kto",
-    record_fields=PREFERENCE_FIELDS, checks=(check_kto,),
+    record_fields=PREFERENCE_FIELDS, checks=(check_kto,), packs=True,
     generate="paratrain.models.hf:generate_hf_reply",
     summary="KTO: a pretrained causal LM on desirable / undesirable completions (preference "
             "pairs, or prompt/completion/label records), against a frozen reference"))
@@ -237,18 +241,22 @@ register(TaskSpec(
     "pairs", "paratrain.tasks.seq2seq:Seq2SeqTask", pretrained=True, objective="seq2seq",
     record_fields=("input", "output"), encoder_decoder=True,
     generate="paratrain.tasks.seq2seq:generate_seq2seq",
+    no_pack="an encoder-decoder's encoder rows and decoder targets would each need their own "
+            "block mask, which transformers' T5 / BART do not take",
     summary="a pretrained encoder-decoder model (T5, BART) on input->output pairs, the loss on "
             "the outputs"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.grpo:GRPOTask", pretrained=True, objective="grpo",
     record_fields=("prompt",), checks=(check_grpo,),
     generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as in training
+    no_pack="its rows are made by sampling during the run, not read from data.source",
     summary="online RL (GRPO): a pretrained causal LM samples completions of prompts and learns "
             "from their rewards (rl.*)"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.ppo:PPOTask", pretrained=True, objective="ppo",
     record_fields=("prompt",), checks=(check_ppo,),
     generate="paratrain.models.hf:generate_hf_reply",
+    no_pack="its rows are made by sampling during the run, not read from data.source",
     summary="online RL (PPO): a pretrained causal LM with a value head learns from the rewards "
             "of its own completions (rl.*)"))
 register(TaskSpec(

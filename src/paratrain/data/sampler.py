@@ -14,7 +14,7 @@ of the whole global batch, so a short step is exact too.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -31,7 +31,7 @@ class GlobalSampler(Sampler[int]):
 
     def __init__(self, num_samples: int, world_size: int = 1, rank: int = 0, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True,
-                 global_batch: Optional[int] = None):
+                 global_batch: Optional[int] = None, lengths: Optional[Sequence[int]] = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
         unit = global_batch or world_size
@@ -45,6 +45,8 @@ class GlobalSampler(Sampler[int]):
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.unit = unit  # the epoch length is a multiple of this
+        # data.group_by_length: each sample's length; the order is grouped by it (None: not)
+        self.lengths = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long)
         self.epoch = 0
         self.position = 0
 
@@ -58,6 +60,8 @@ class GlobalSampler(Sampler[int]):
             order = torch.randperm(n, generator=g)  # (n,)
         else:
             order = torch.arange(n)
+        if self.lengths is not None:
+            order = group_by_length(order, self.lengths, GROUP_WINDOW * self.unit)
         if self.drop_last:
             return order[: n // self.unit * self.unit]
         return order  # the last global batch is short: StepBatches deals it
@@ -109,6 +113,20 @@ class GlobalSampler(Sampler[int]):
         self.seed = int(state.get("seed", self.seed))
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+
+GROUP_WINDOW = 50  # global batches per window sorted by length (HF's mega-batch multiplier)
+
+
+def group_by_length(order: torch.Tensor, lengths: torch.Tensor, window: int) -> torch.Tensor:
+    """data.group_by_length, as Hugging Face's LengthGroupedSampler: the shuffled `order` (n,)
+    cut into windows of `window` samples, each sorted by length, longest first (stable), so a
+    micro-batch holds samples of similar lengths and pads little, while the order across windows
+    stays random. The window is a whole number of global batches and the order is the global
+    one, so 1 and N workers get the same global batches."""
+    parts = [chunk[torch.argsort(-lengths[chunk], stable=True)]
+             for chunk in order.split(max(1, window))]
+    return torch.cat(parts) if parts else order  # (n,)
 
 
 class StepBatches(Sampler[list]):

@@ -10,7 +10,8 @@ from the projections so that masks for packed documents and sequence sharding ch
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,19 +24,40 @@ class WholeSequence:
         """The (T,) global positions of the local tokens; None: 0..T-1 (the fast path)."""
         return None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: Optional[torch.Tensor], dropout: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+               dropout: float) -> torch.Tensor:
         """q (B, H, T, D), k and v (B, KV, T, D) with KV dividing H (grouped-query attention);
-        mask None (causal) or bool (B, 1, T, T), True = may attend. Returns (B, H, T, D)."""
+        mask None (causal), bool (B, 1, T, T) (True = may attend: padded or packed rows) or a
+        flex-attention BlockMask (packed rows on CUDA). Returns (B, H, T, D)."""
         k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                              is_causal=mask is None)  # (B, H, T, D)
+        return attend(q, k, v, mask, dropout)  # (B, H, T, D)
 
 
 def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     """(B, KV, T, D) -> (B, H, T, D): every query head of a group reads the same k/v head."""
     rep = heads // x.size(1)
     return x.repeat_interleave(rep, dim=1) if rep > 1 else x
+
+
+@functools.lru_cache(maxsize=None)
+def flex_attention() -> Any:
+    """torch's flex_attention, compiled once per process on first use; None where this torch
+    has none."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+           dropout: float) -> torch.Tensor:
+    """Causal attention of (B, H, T, D) q, k, v under `mask`: None (plain causal), a bool
+    (B, 1, T, T) (SDPA), or a flex-attention BlockMask (packed rows on CUDA, no dropout)."""
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return flex_attention()(q, k, v, block_mask=mask)  # (B, H, T, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                          is_causal=mask is None)  # (B, H, T, D)
 
 
 WHOLE = WholeSequence()

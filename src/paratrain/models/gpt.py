@@ -97,16 +97,20 @@ class GPT(nn.Module):
         (c_proj) get 1/sqrt(2 * num_layers) of the std so depth does not inflate the stream."""
         gpt2_init(self, self.args.num_layers, residual=("c_proj.weight",))
 
-    def forward(self, idx: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        mask = check_input(idx, attention_mask, self.args.max_seq_length)
-        x = self.embed(idx)  # (B, T, C)
+    def forward(self, idx: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As Llama's: position_ids (B, T) restart per packed example, attention stays inside."""
+        mask = check_input(idx, attention_mask, self.args.max_seq_length, position_ids,
+                           sparse=self.args.dropout == 0.0)
+        x = self.embed(idx, position_ids)  # (B, T, C)
         for block in self.layers:
             x = block(x, mask)  # (B, T, C)
         return self.head(x)  # (B, T, V)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = self.context.positions(idx.shape[1], idx.device)  # (T,) or None: 0..T-1
+    def embed(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
+        pos = self.context.positions(idx.shape[1], idx.device) if position_ids is None \
+            else position_ids  # (T,), (B, T) or None: 0..T-1
         if pos is None:
             pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
         return self.dropout(self.wte(idx) + self.wpe(pos))  # (B, T) -> (B, T, C)

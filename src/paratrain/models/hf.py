@@ -237,3 +237,79 @@ def generate_hf(model_dir: Path, prompt: str, opts: Any, template: Optional[bool
                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     text = tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
     return text if template is not None else prompt + text
+
+
+def check_packed_attention(model: nn.Module) -> None:
+    """data.pack=true: the model must keep packed examples apart when given per-example position
+    ids and no attention mask. transformers detects packed rows from position ids that restart
+    (masking_utils.find_packed_sequence_indices for sdpa / eager / flex_attention; the
+    flash-attention paths read them as cumulative lengths), but only with no cache (use_cache is
+    switched off here) and only in models built on its masking utilities. So this tries it: two
+    pieces of 3 and 2 tokens in one row, against the second alone, in eval mode and fp32-exact
+    within 1e-4; a model that leaks is refused in one line."""
+    import torch
+    model.config.use_cache = False  # a cache turns transformers' packed-row detection off
+    impl = getattr(model.config, "_attn_implementation", None)
+    vocab = model.get_input_embeddings().num_embeddings
+    param = next(model.parameters())
+    ids = torch.arange(5, device=param.device)[None] % vocab  # (1, 5)
+    positions = torch.tensor([[0, 1, 2, 0, 1]], device=param.device)  # (1, 5)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = model(ids, position_ids=positions).logits[0, 3:].float()  # (2, V)
+            alone = model(ids[:, 3:]).logits[0].float()  # (2, V)
+        leaks = float((packed - alone).abs().max()) > 1e-4 * max(1.0, float(alone.abs().max()))
+    except (TypeError, ValueError, RuntimeError) as e:
+        leaks, impl = True, f"{impl} ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+    finally:
+        model.train(was_training)
+    if leaks:
+        raise ConfigError(
+            f"data.pack=true: {type(model).__name__} with attention {impl} lets packed examples "
+            "see each other (it does not honour per-example position ids without a mask); use "
+            "a model transformers builds on its masking utilities (Llama, Qwen2, Mistral, "
+            "Gemma, ...) with attn_implementation sdpa, eager, flex_attention or "
+            "flash_attention_2, or leave data.pack=false and set data.group_by_length=true")
+
+
+PACKED_ATTENTION = "paratrain_packed"  # the attention implementation packed runs register
+
+
+def use_packed_attention(model: nn.Module) -> None:
+    """Packed rows on a model that runs SDPA: attention computed example by example on the CPU
+    (`packed_sdpa`: each example's own causal SDPA, so a row of several examples costs the sum
+    of their squares, not the row's square), transformers' SDPA with the block mask it builds
+    from the position ids elsewhere. Other implementations (eager, flex, flash) are kept: they
+    honour the position ids themselves (`check_packed_attention` tries it)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
+    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(PACKED_ATTENTION)
+
+
+def packed_sdpa(module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any,
+                dropout: float = 0.0, scaling: Optional[float] = None, **kwargs: Any) -> Any:
+    """transformers' attention interface: q (B, H, T, D), k / v (B, KV, T, D) -> (B, T, H, D).
+    On the CPU with packed position ids, each example (a run of positions restarting at 0) gets
+    its own causal SDPA; otherwise transformers' SDPA with `attention_mask`."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    positions = kwargs.get("position_ids")
+    if query.is_cuda or positions is None or positions.shape[0] != query.shape[0]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    p = dropout if module.training else 0.0
+    rows = []
+    for b, starts in enumerate((positions == 0).tolist()):
+        cuts = [t for t, s in enumerate(starts) if s or t == 0] + [len(starts)]
+        rows.append(torch.cat([F.scaled_dot_product_attention(
+            query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
+            dropout_p=p, is_causal=True, scale=scaling, enable_gqa=True)  # (1, H, e-s, D)
+            for s, e in zip(cuts, cuts[1:])], dim=2))
+    return torch.cat(rows).transpose(1, 2).contiguous(), None  # (B, T, H, D)

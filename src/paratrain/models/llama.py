@@ -8,14 +8,14 @@ Each TransformerBlock is self-contained (it owns its rotary tables) and its forw
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config.presets import ModelArgs
-from .attention import WHOLE
+from .attention import WHOLE, flex_attention
 
 
 class RMSNorm(nn.Module):
@@ -63,10 +63,17 @@ class Rotary(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # x: (B, H, T, D); positions: (T,) the tokens' global positions, None: 0..T-1
+        # x: (B, H, T, D); positions: None (0..T-1), (T,) the tokens' global positions (context
+        # parallelism) or (B, T), restarting per packed example
         T = x.size(-2)
-        cos = (self.cos[:T] if positions is None else self.cos[positions]).float()  # (T, D/2)
-        sin = (self.sin[:T] if positions is None else self.sin[positions]).float()
+        if positions is None:
+            cos = self.cos[:T].float()  # (T, D/2), broadcasts over B and H
+            sin = self.sin[:T].float()
+        else:
+            cos = self.cos[positions].float()  # (T, D/2) or (B, T, D/2)
+            sin = self.sin[positions].float()
+            if positions.dim() == 2:  # (B, 1, T, D/2): broadcasts over H
+                cos, sin = cos[:, None], sin[:, None]
         xf = x.float()
         x1, x2 = xf[..., 0::2], xf[..., 1::2]  # (B, H, T, D/2) each
         out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, H, T, D/2, 2)
@@ -90,7 +97,8 @@ class Attention(nn.Module):
         self.rotary = Rotary(args.head_dim, args.max_seq_length, args.rope_theta)
         self.dropout = args.dropout
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor],
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T = x.shape[:2]  # (B, T, C)
         # Heads are counted from the projections' output, not the config: under tensor
         # parallelism a rank holds H/tp query and KV/tp key/value heads (its slice of wq, wk, wv).
@@ -98,8 +106,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
         v = self.wv(x).view(B, T, -1, D).transpose(1, 2)  # (B, KV, T, D)
-        pos = self.context.positions(T, x.device)  # (T,) or None: 0..T-1
-        q, k = self.rotary(q, pos), self.rotary(k, pos)
+        pos = self.context.positions(T, x.device) if positions is None else positions
+        q, k = self.rotary(q, pos), self.rotary(k, pos)  # pos: None (0..T-1), (T,) or (B, T)
         p = self.dropout if self.training else 0.0
         y = self.context.attend(q, k, v, mask, p)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
@@ -130,9 +138,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
         self.resid_dropout = nn.Dropout(args.dropout)
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # x: (B, T, C); mask: None (plain causal) or bool (B, 1, T, T), True = may attend
-        x = x + self.resid_dropout(self.attention(self.attention_norm(x), mask))
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # x: (B, T, C); mask: None (plain causal), bool (B, 1, T, T) (True = may attend) or a
+        # flex-attention BlockMask; positions: None or (B, T), restarting per packed example
+        x = x + self.resid_dropout(self.attention(self.attention_norm(x), mask, positions))
         x = x + self.resid_dropout(self.feed_forward(self.ffn_norm(x)))
         return x
 
@@ -175,12 +185,15 @@ class Llama(nn.Module):
         1/sqrt(2 * num_layers) of that, so the stream's variance does not grow with depth."""
         gpt2_init(self, self.args.num_layers, residual=("wo.weight", "w2.weight"))
 
-    def forward(self, idx: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        mask = check_input(idx, attention_mask, self.args.max_seq_length)
+    def forward(self, idx: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """idx (B, T); attention_mask (B, T) 1 = token, 0 = pad; position_ids (B, T) restarting
+        at 0 where a packed example (or document) starts: attention stays inside each."""
+        mask = check_input(idx, attention_mask, self.args.max_seq_length, position_ids,
+                           sparse=self.args.dropout == 0.0)
         x = self.embed(idx)  # (B, T, C)
         for block in self.layers:
-            x = block(x, mask)  # (B, T, C)
+            x = block(x, mask) if position_ids is None else block(x, mask, position_ids)
         return self.head(x)  # (B, T, V)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
@@ -206,10 +219,43 @@ def gpt2_init(model: nn.Module, num_layers: int, residual: tuple[str, ...]) -> N
 
 
 def check_input(idx: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                max_seq_length: int) -> Optional[torch.Tensor]:
-    """Refuse sequences longer than the model was built for; the (B, 1, T, T) attention mask
-    for padded rows, or None for the causal fast path."""
+                max_seq_length: int, position_ids: Optional[torch.Tensor] = None,
+                sparse: bool = True) -> Any:
+    """Refuse sequences longer than the model was built for; the attention mask: None for the
+    causal fast path, (B, 1, T, T) for padded rows, block-diagonal for packed ones."""
     T = idx.shape[1]
     if T > max_seq_length:
         raise ValueError(f"sequence of length {T} exceeds model.max_seq_length={max_seq_length}")
+    if position_ids is not None:
+        return document_mask(position_ids, attention_mask, sparse)
     return None if attention_mask is None else padding_to_attn_mask(attention_mask)
+
+
+def segments_of(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions -> (B, T) segment ids: a new segment wherever the position does not
+    follow the previous one by 1 (transformers' rule for packed rows:
+    masking_utils.find_packed_sequence_indices)."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)  # (B, T)
+    return (step != 1).cumsum(-1)  # (B, T)
+
+
+def document_mask(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                  sparse: bool = True) -> Any:
+    """Block-diagonal causal attention for packed rows: a query sees the keys before it in its
+    own segment (example, document) only. On CUDA with flex-attention and `sparse` (a model
+    without attention dropout), a BlockMask: blocks across segments are skipped; else a bool
+    (B, 1, T, T) for SDPA. A pad (attention_mask 0) is a segment of its own: it sees itself."""
+    seg = segments_of(position_ids)  # (B, T)
+    if attention_mask is not None:
+        alone = -1 - torch.arange(seg.shape[1], device=seg.device).expand_as(seg)  # (B, T)
+        seg = torch.where(attention_mask.bool(), seg, alone)  # (B, T)
+    if sparse and seg.is_cuda and flex_attention() is not None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_segment(b, h, q, k):
+            return (seg[b, q] == seg[b, k]) & (k <= q)
+        B, T = seg.shape
+        return create_block_mask(same_segment, B, None, T, T, device=seg.device)
+    T = seg.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()  # (T, T)
+    return (seg[:, None, :, None] == seg[:, None, None, :]) & causal  # (B, 1, T, T)

@@ -81,7 +81,9 @@ class TrainLoop:
         self.sampler = GlobalSampler(len(task.train_ds), self.dp, self.data_rank,
                                      tr.seed, shuffle=cfg.data.shuffle,
                                      drop_last=cfg.data.drop_last,
-                                     global_batch=plan.global_batch)
+                                     global_batch=plan.global_batch,
+                                     lengths=task.sample_lengths()
+                                     if cfg.data.group_by_length else None)
         batches = StepBatches(self.sampler, plan.micro_batch, plan.accum)
         # checkpoint.record_samples: a pass-through that notes which samples each step took
         self.recorder = SampleRecorder(batches) if cfg.checkpoint.record_samples else None

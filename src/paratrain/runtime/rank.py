@@ -220,7 +220,7 @@ class RankRun:
             log(env, f"validation loss {val_loss:.4f}" + (
                 f" (perplexity {math.exp(val_loss):.2f})" if self.task.perplexity else "") + (
                 f"; accuracy {val_metrics['val_accuracy']:.4f} on {val_metrics['val_samples']} "
-                f"{self.task.sample_name}" if val_metrics.get("val_accuracy") is not None else ""))
+                f"{self.task.unit_name}" if val_metrics.get("val_accuracy") is not None else ""))
         return val_loss, val_metrics, keep_best
 
     def _write_outputs(self, summary: dict, state: Optional[dict], keep_best: bool

@@ -36,6 +36,8 @@ def run_summary(run: Any, last: dict, val_loss: Optional[float], memory: list,
         "precision": plan.precision, "batch_size": cfg.trainer.batch_size,
         "grad_accum": plan.accum, "global_batch_size": plan.global_batch,
         "seq_length": cfg.data.seq_length, "params": run.n_params,
+        # fine-tuning: the share of computed tokens that are pads (data/packing.py); None else
+        "padding_share": task.padding_share,
         "resumed_from": None if resumed is None else {
             "step": resumed.step, "path": redact_url(resumed.url),
             "world_size": resumed.world_size},

@@ -91,6 +91,9 @@ class Task:
     # Optimizer steps trained on each batch of data (online RL's rl.num_iterations: the data
     # advances one batch per that many steps).
     steps_per_batch: int = 1
+    # Fine-tuning: the share of the tokens a step computes that are pads (data/packing.py), said
+    # in the log, summary.json and `paratrain plan`; None: not measured (a corpus has none).
+    padding_share: Optional[float] = None
 
     @property
     def collate(self) -> Callable[[list], Any]:
@@ -130,6 +133,11 @@ class Task:
         keeps them out of the optimizer and the snapshots, counts their memory, and hands them
         to `loss` as `frozen`. None by default."""
         return {}
+
+    def sample_lengths(self) -> Any:
+        """(N,) each training sample's tokens: data.group_by_length's key (tasks/hf.py); None:
+        its samples have no single length (the config refuses group_by_length for them)."""
+        return None
 
     def memory_probe(self) -> Optional[MemoryProbe]:
         """How the memory plan (`paratrain plan`, strategy=auto) can measure this model; None:
@@ -213,9 +221,15 @@ def token_loss(model: nn.Module, batch: dict, device: torch.device,
     batch = to_device(batch, device)
     idx, targets = batch["input_ids"], batch["targets"]  # (B, T), (B, T)
     with amp:
-        out = model(idx, attention_mask=batch.get("attention_mask"))
+        out = model(idx, **model_inputs(batch))
     logits = out.logits if hasattr(out, "logits") else out  # (B, T, V); HF returns an object
     return token_loss_sum(logits, targets, label_smoothing), units
+
+
+def model_inputs(batch: dict) -> dict:
+    """What a model reads besides the ids: the padding mask of padded rows, or the position ids
+    of packed ones (restarting per example: data/packing.py), whichever the batch carries."""
+    return {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor,
@@ -228,15 +242,27 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor,
 
 
 def sequence_logps(model: nn.Module, batch: dict, amp: ContextManager) -> torch.Tensor:
-    """(N,) each row's log-probability of its counted targets, summed (pads, prompts:
-    IGNORE_INDEX targets count nothing): DPO's policy and reference scores."""
-    targets = batch["targets"]  # (N, T)
+    """(N,) each sequence's log-probability of its counted targets, summed (pads, prompts:
+    IGNORE_INDEX targets count nothing): DPO's policy and reference scores. A sequence is a row,
+    or, in packed rows, the tokens of one `seq_index` (preference/packed_pairs.py)."""
+    targets = batch["targets"]  # (R, T)
     with amp:
-        out = model(batch["input_ids"], attention_mask=batch["attention_mask"])
-    logits = out.logits if hasattr(out, "logits") else out  # (N, T, V)
+        out = model(batch["input_ids"], **model_inputs(batch))
+    logits = out.logits if hasattr(out, "logits") else out  # (R, T, V)
     per_token = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                 ignore_index=IGNORE_INDEX, reduction="none")  # (N*T,)
-    return per_token.view(targets.shape).sum(-1)  # (N,)
+                                 ignore_index=IGNORE_INDEX, reduction="none")  # (R*T,)
+    return per_sequence(per_token.view(targets.shape), batch)  # (N,)
+
+
+def per_sequence(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """(R, T) per-token values -> (N,) sums per sequence: per row, or for packed rows per
+    `seq_index` (-1 on pads), N = `num_sequences`."""
+    if "seq_index" not in batch:
+        return values.sum(-1)  # (R,)
+    index = batch["seq_index"]  # (R, T)
+    keep = index >= 0
+    out = values.new_zeros(int(batch["num_sequences"]))  # (N,)
+    return out.index_add(0, index[keep], values[keep])
 
 
 def check_picklable(**objects: Any) -> None:

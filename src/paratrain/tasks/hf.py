@@ -1,7 +1,7 @@
 """What every fine-tuning task on a pretrained Hugging Face model shares: the model's own
 tokenizer (nothing is retrained), the records (files or the Python API's lists), the held-out
-validation split, LoRA, pad-to-longest batches, and a `from_pretrained` output folder that carries
-the tokenizer files byte for byte. A task (sft.py, classify.py) adds its encoder, the
+validation split, LoRA, pad-to-longest or packed batches (data.pack), and a `from_pretrained`
+output folder that carries the tokenizer files byte for byte. A task (sft.py, classify.py) adds its encoder, the
 transformers auto class it loads, and its loss.
 
 The records are encoded once, by the launcher, into a cache keyed by everything that changes them
@@ -59,6 +59,7 @@ class PretrainedTask(Task):
     units_per_sample: ClassVar[Optional[int]] = None  # answers differ in length: per batch
     lora_task_type: ClassVar[str] = "CAUSAL_LM"  # peft's task_type
     auto_class: ClassVar[str] = "AutoModelForCausalLM"  # transformers' class of the model
+    row_capacity_key: ClassVar[str] = "data.max_length"  # a packed row's size, in log lines
 
     @classmethod
     def prepare(cls, cfg: TrainConfig, env: DistEnv, records: Optional[TaskRecords],
@@ -98,9 +99,63 @@ class PretrainedTask(Task):
                 "own")
         task = cls(cfg, encoded.tokenizer, train, val, tokenizer_dir,
                    data_fingerprint=encoded.fingerprint, **encoded.task_fields)
+        task.attach(env, log)
+        task.arrange(log)
         if task.lora:
             log(task.lora_line())
         return task
+
+    def attach(self, env: DistEnv, log: Callable[[str], None]) -> None:
+        """Columns joined to the examples once they are encoded, before packing (DPO: the
+        precomputed reference's log-probs)."""
+
+    def arrange(self, log: Callable[[str], None]) -> None:
+        """data.pack=true: the examples into rows of data.max_length tokens (data/packing.py),
+        made here from the lengths and the seed, before the data is dealt to workers, so 1 and N
+        workers train the same rows. Then the share of computed tokens that are pads, said in
+        the log (with what cuts it) and kept for summary.json."""
+        from ..data.packing import PackedRows, padding_line, padding_share
+        if self.train_ds is None:
+            return
+        seed = self.cfg.trainer.seed
+        lengths = self.token_lengths(self.train_ds)  # (N,), None: not a padded sequence task
+        if lengths is None:
+            if self.cfg.data.group_by_length:
+                raise ConfigError(f"data.group_by_length=true: data.format="
+                                  f"{self.cfg.data.format}'s samples have no one length to "
+                                  "group by; leave it false")
+            return
+        if self.cfg.data.pack:
+            capacity = self.row_capacity()
+            self.train_ds = PackedRows(self.train_ds, lengths, capacity, seed)
+            log(self.train_ds.describe(self.sample_name, self.row_capacity_key))
+            if self.val_ds is not None:
+                self.val_ds = PackedRows(self.val_ds, self.token_lengths(self.val_ds), capacity,
+                                         seed)
+            self.sample_name = f"packed rows (~{capacity} tokens)"  # what a batch counts
+            lengths = self.train_ds.fill  # (R,)
+        self.padding_share = padding_share(lengths, self.cfg.trainer.batch_size, seed,
+                                           grouped=self.cfg.data.group_by_length)
+        line = padding_line(self.padding_share, self.cfg.data.pack)
+        if line:
+            log(line)
+
+    def sample_lengths(self) -> Any:
+        """(N,) each training sample's tokens (a packed row's fill): data.group_by_length's key."""
+        return self.train_ds.fill if self.cfg.data.pack else self.token_lengths(self.train_ds)
+
+    @classmethod
+    def token_lengths(cls, ds: Any) -> Any:
+        """(N,) the tokens each sample puts in a row: packing's sizes, the padding estimate,
+        data.group_by_length's key; None for samples that are not one padded sequence."""
+        from ..data.examples import FinetuneDataset
+        if not isinstance(ds, FinetuneDataset):
+            return None
+        return ds.lengths if ds.rows is None else ds.lengths[ds.rows]
+
+    def row_capacity(self) -> int:
+        """Tokens per packed row: data.max_length (the model's positions when unset)."""
+        return int(self.cfg.max_length)
 
     @classmethod
     def without_data(cls, cfg: TrainConfig, model_info: dict) -> "PretrainedTask":
@@ -206,6 +261,9 @@ class PretrainedTask(Task):
     @property
     def collate(self) -> Callable[[list], Any]:
         from ..data.examples import PadCollate
+        from ..data.packing import PackCollate
+        if self.cfg.data.pack:
+            return PackCollate(self.tokenizer.pad_token_id)
         return PadCollate(self.tokenizer.pad_token_id)
 
     @property
@@ -218,6 +276,10 @@ class PretrainedTask(Task):
         from .lora import apply_lora
         quiet_transformers()
         model = self.load_pretrained()
+        if self.cfg.data.pack:  # packed rows: the model must keep examples apart (or be refused)
+            from ..models.hf import check_packed_attention, use_packed_attention
+            use_packed_attention(model)
+            check_packed_attention(model)
         if self.lora:
             model = apply_lora(model, self.cfg.model.lora, task_type=self.lora_task_type)
         alpha = self.cfg.trainer.neftune_noise_alpha
@@ -290,6 +352,8 @@ class PretrainedTask(Task):
         name transformers 4.x does not know, and a config.json 4.x reads too."""
         copy_tokenizer_files(self.tokenizer_dir, folder)
         make_portable(folder)
+        if self.cfg.data.pack:  # training switched the cache off (packed rows); generation wants it
+            restore_use_cache(folder, self.cfg.model.path)
 
 
 def neftune_noise(alpha: float, module: nn.Module, inputs: Any, output: Any) -> Any:
@@ -311,3 +375,17 @@ def record_sources(cfg: TrainConfig, records: Optional[TaskRecords]) -> tuple[An
         raise ConfigError(f"data.format={d.format} needs data.source: a .jsonl, .parquet or .csv "
                           "file (or a datasets folder) of records")
     return d.source, d.val_source or None
+
+
+def restore_use_cache(folder: Path, base: Any) -> None:
+    """config.json's use_cache as the base model's (packed training turned it off)."""
+    import json
+
+    from ..config.model_folder import model_config
+    from ..fileio import atomic_write_text
+    path = folder / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    config["use_cache"] = model_config(base).get("use_cache", True)
+    atomic_write_text(path, json.dumps(config, indent=2) + "\n")

@@ -72,13 +72,20 @@ class LMTask(TokenLoss, Task):
         from ..models import build_model, torch_default_init
         from ..models.hf import build_hf
         if self.is_hf:
-            return build_hf(self.args)
+            model = build_hf(self.args)
+            if self.cfg.data.document_mask:  # it must keep the documents of a window apart
+                from ..models.hf import check_packed_attention
+                check_packed_attention(model)
+            return model
         model = build_model(self.args)
         return torch_default_init(model) if self.cfg.model.init == "torch" else model
 
     @property
     def collate(self) -> Callable[[list], Any]:
         from ..data import collate
+        if self.cfg.data.document_mask:  # positions restart per document: attention within it
+            from ..data.packing import DocumentCollate
+            return DocumentCollate(self.prepared.meta["eot_id"])
         return collate
 
     @property

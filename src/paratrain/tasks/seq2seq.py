@@ -42,6 +42,12 @@ class Seq2SeqTask(TokenLoss, PretrainedTask):
         from ..data.seq2seq import seq2seq_dataset
         return seq2seq_dataset(examples)
 
+    @classmethod
+    def token_lengths(cls, ds: Any) -> Any:
+        """(N,) an example's encoder and decoder tokens: the padding estimate's and
+        data.group_by_length's key (both sides are padded to their longest)."""
+        return ds.lengths("input_ids") + ds.lengths("targets")
+
     @property
     def collate(self) -> Callable[[list], Any]:
         from ..data.seq2seq import Seq2SeqCollate

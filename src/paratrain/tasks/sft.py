@@ -1,8 +1,10 @@
 """Fine-tuning a pretrained Hugging Face causal LM (AutoModelForCausalLM) on input->output pairs
 (`PairsTask`) or chat records (`ChatTask`), with the loss on the answers only.
 
-Sequences are padded to the longest of each micro-batch; pads and prompts are IGNORE_INDEX
-targets, so the loop's token weighting makes 1 and N workers the same run. With a chat template
+Sequences are padded to the longest of each micro-batch, or packed several to a row
+(data.pack=true: data/packing.py, each example with its own positions and attention); pads and
+prompts are IGNORE_INDEX targets, so the loop's token weighting makes 1 and N workers, and packed
+and padded batches, the same run. With a chat template
 given as a file, model/ carries it as chat_template.jinja, so generation renders prompts the way
 training did.
 """

@@ -37,7 +37,7 @@ from torch import nn
 
 from ...data.dataset import IGNORE_INDEX
 from ...formatting import human_count
-from ..base import NO_FROZEN, Frozen, MemoryProbe, sequence_logps, to_device
+from ..base import NO_FROZEN, Frozen, MemoryProbe, per_sequence, sequence_logps, to_device
 from ..sft import CausalLMTask
 from ..hf import Encoder
 
@@ -91,7 +91,25 @@ class PairTask:
         return preference_dataset(examples)
 
     def count_units(self, batch: dict) -> int:
+        if "num_sequences" in batch:  # packed rows (packed_pairs.py)
+            return int(batch["num_sequences"]) // 2
         return int(batch["input_ids"].shape[0]) // 2
+
+    @classmethod
+    def token_lengths(cls, ds: Any) -> Any:
+        """(N,) a pair's two sequences' tokens in a packed row (data.pack)."""
+        from .packed_pairs import pair_sizes
+        return pair_sizes(ds, cls.sides(), shift=True)
+
+    @classmethod
+    def sides(cls) -> tuple[str, str]:
+        return ("chosen", "rejected")
+
+    row_capacity_key: ClassVar[str] = "2 x data.max_length"
+
+    def row_capacity(self) -> int:
+        """A packed row holds whole pairs: up to two sequences of data.max_length each."""
+        return 2 * int(self.cfg.max_length)
 
     def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
                      amp: ContextManager, frozen: Frozen = NO_FROZEN
@@ -125,13 +143,11 @@ class DPOTask(PairTask, CausalLMTask):
         self.pair_loss = DPO_LOSSES[self.cfg.dpo.loss]
         self.per_token = self.cfg.dpo.loss in PER_TOKEN_LOSSES
 
-    @classmethod
-    def prepare(cls, cfg: Any, env: Any, records: Any, log: Callable[[str], None]) -> "DPOTask":
-        task = super().prepare(cfg, env, records, log)
-        if task.reference is Reference.PRECOMPUTED:
+    def attach(self, env: Any, log: Callable[[str], None]) -> None:
+        """The precomputed reference's log-probs joined to the pairs (before packing)."""
+        if self.reference is Reference.PRECOMPUTED:
             from .reference_cache import attach_reference
-            attach_reference(task, env, log)
-        return task  # type: ignore[return-value]
+            attach_reference(self, env, log)
 
     @classmethod
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
@@ -157,6 +173,10 @@ class DPOTask(PairTask, CausalLMTask):
         torch.manual_seed(self.cfg.trainer.seed)
         model = build_hf(HFArgs(str(path), len(self.tokenizer)))
         model.config.pad_token_id = self.tokenizer.pad_token_id
+        if self.cfg.data.pack:  # it scores the same packed rows as the policy
+            from ...models.hf import check_packed_attention, use_packed_attention
+            use_packed_attention(model)
+            check_packed_attention(model)
         return model
 
     def memory_probe(self) -> Optional[MemoryProbe]:
@@ -243,8 +263,8 @@ class _BothRows(nn.Module):
 
 
 def response_tokens(batch: dict) -> torch.Tensor:
-    """(N,) each row's counted (response) tokens, as a float for dividing log-probs."""
-    return (batch["targets"] != IGNORE_INDEX).sum(-1).float()
+    """(N,) each sequence's counted (response) tokens, as a float for dividing log-probs."""
+    return per_sequence((batch["targets"] != IGNORE_INDEX).float(), batch)
 
 
 def reward_counts(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:

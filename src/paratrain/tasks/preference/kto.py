@@ -37,6 +37,7 @@ from ...formatting import human_count
 from ..base import NO_FROZEN, Frozen, sequence_logps, to_device
 from ..hf import Encoder
 from .dpo import DPOTask, PairEncoder
+from .packed_pairs import half_rows
 
 
 @dataclass
@@ -50,6 +51,10 @@ class KTOTask(DPOTask):
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
         from .kto_records import encode_kto
         return PairEncoder(encode_kto, cfg, tokenizer, notes)
+
+    @classmethod
+    def sides(cls) -> tuple[str, str]:
+        return ("completion", "mismatched")
 
     @property
     def collate(self) -> Callable[[list], Any]:
@@ -67,7 +72,7 @@ class KTOTask(DPOTask):
         else:
             ref, mismatched = self._scores(model, batch, amp, frozen)
             kl = _mean_over_ranks(mismatched - ref[B:]).clamp(min=0)  # 0-dim
-        policy = sequence_logps(model, _rows(batch, slice(0, B)), amp)  # (B,)
+        policy = sequence_logps(model, half_rows(batch, second=False), amp)  # (B,)
         ratio = policy - ref[:B]  # (B,)
         p = self.cfg.kto
         good = batch["label"]  # (B,) bool
@@ -95,9 +100,8 @@ class KTOTask(DPOTask):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """((2B,) the reference's scores of the completions then the mismatched sequences,
         (B,) the policy's of the mismatched ones), without gradients."""
-        B = batch["label"].shape[0]
         ref = self.reference_logps(model, batch, amp, frozen)  # (2B,)
-        return ref, sequence_logps(model, _rows(batch, slice(B, None)), amp)
+        return ref, sequence_logps(model, half_rows(batch, second=True), amp)
 
     def train_metrics(self, counts: dict) -> dict:
         return kto_metrics(counts)
@@ -112,10 +116,6 @@ class KTOTask(DPOTask):
                 f"on model hf ({self.cfg.model.path}): {human_count(n_params)} parameters; "
                 f"reference: {self.reference.value}; tokenizer {self.tokenizer_dir} "
                 f"({len(self.tokenizer)} tokens)")
-
-
-def _rows(batch: dict, rows: slice) -> dict:
-    return {k: batch[k][rows] for k in ("input_ids", "attention_mask", "targets")}
 
 
 def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:

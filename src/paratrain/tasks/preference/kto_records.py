@@ -105,5 +105,6 @@ class KTOCollate(PairCollate):
     def __call__(self, batch: List[Dict[str, Any]]) -> Dict[str, Any]:
         import torch
         out = super().__call__(batch)
-        out["label"] = torch.tensor([int(ex["label"]) for ex in batch], dtype=torch.bool)
+        examples = [ex for row in batch for ex in row] if isinstance(batch[0], list) else batch
+        out["label"] = torch.tensor([int(ex["label"]) for ex in examples], dtype=torch.bool)
         return out

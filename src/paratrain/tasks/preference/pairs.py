@@ -278,6 +278,9 @@ class PairCollate:
         self.pad_id, self.shift = int(pad_id), shift
 
     def __call__(self, batch: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+        if isinstance(batch[0], list):  # rows of packed pairs (data.pack=true)
+            from .packed_pairs import packed_pairs
+            return packed_pairs(batch, self.sides, self.pad_id, self.shift)
         first, second = self.sides
         seqs = [p[first] for p in batch] + [p[second] for p in batch]  # 2B of (L_i,)
         if self.shift:

@@ -1,0 +1,117 @@
+"""One step on the same examples, packed (data.pack=true) vs padded: the same loss and gradients
+(fp32, 1e-5), on the real tasks with a tiny Hugging Face Llama (issue 38). The loss is a sum over
+counted units divided by their number, so how examples are laid out in rows cannot change it
+unless attention leaks between them, which is what these would catch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratrain.config import TrainConfig
+from paratrain.dist import DistEnv
+from paratrain.tasks.base import TaskRecords
+
+transformers = pytest.importorskip("transformers")
+
+
+def _task(model: str, pack: bool, *extra: str, records: list):
+    from paratrain.runtime.rank import prepare_task
+    cfg = TrainConfig.from_yaml(None, [
+        "model.arch=hf", f"model.path={model}", "data.max_length=96", f"data.pack={pack}",
+        "trainer.batch_size=4", "trainer.seed=5", *extra])
+    lines: list[str] = []
+    task = cfg.task.load().prepare(cfg, DistEnv.single("cpu"), TaskRecords(records), lines.append)
+    return task, lines
+
+
+def _one_step(task) -> tuple[float, dict]:
+    """Every training sample once, in micro-batches of 4, as one step: (loss, gradients)."""
+    torch.manual_seed(0)
+    model = task.build_model().train()
+    frozen = {name: m.eval() for name, m in task.build_frozen().items()}
+    items = [task.train_ds[i] for i in range(len(task.train_ds))]
+    total, units = torch.zeros(()), 0
+    for at in range(0, len(items), 4):
+        s, n = task.loss(model, task.collate(items[at:at + 4]), torch.device("cpu"),
+                         torch.autocast("cpu", enabled=False), frozen)
+        total, units = total + s, units + n
+    loss = total / units
+    loss.backward()
+    return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()
+                         if p.grad is not None}
+
+
+def _same_step(padded, packed) -> None:
+    loss_a, grads_a = _one_step(padded)
+    loss_b, grads_b = _one_step(packed)
+    assert abs(loss_a - loss_b) <= 1e-5 * max(1.0, abs(loss_a)), (loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], atol=1e-5, rtol=1e-5, msg=k)
+
+
+def _pairs(n: int) -> list[dict]:
+    from tests.e2e._tiny_model import make_pairs
+    return make_pairs(n)
+
+
+def test_sft_pairs_packed_step_equals_padded_step(pairs_llama):
+    records = _pairs(40)
+    padded, _ = _task(pairs_llama, False, "data.format=pairs", records=records)
+    packed, lines = _task(pairs_llama, True, "data.format=pairs", records=records)
+    assert len(packed.train_ds) < len(padded.train_ds)  # several examples per row
+    assert packed.train_ds.examples == len(padded.train_ds)
+    said = "\n".join(lines)
+    assert "data.pack:" in said and "per row on average" in said and "counts rows" in said
+    assert "padding: about" in said
+    assert packed.padding_share < padded.padding_share
+    _same_step(padded, packed)
+
+
+def test_the_padding_share_is_said_with_what_cuts_it(pairs_llama):
+    records = _pairs(40)
+    padded, lines = _task(pairs_llama, False, "data.format=pairs", "trainer.batch_size=16",
+                          records=records)
+    line = next(x for x in lines if x.startswith("padding:"))
+    assert padded.padding_share > 0.25 and "data.pack=true" in line, line
+
+
+def _preference(n: int) -> list[dict]:
+    rows = _pairs(n + 1)
+    return [{"prompt": a["input"], "chosen": a["output"], "rejected": b["output"]}
+            for a, b in zip(rows, rows[1:])]
+
+
+@pytest.mark.parametrize("objective,extra", [
+    ("dpo", ()), ("dpo", ("dpo.loss=ipo",)), ("dpo", ("dpo.precompute_reference=true",)),
+    ("kto", ())])
+def test_preference_packed_step_equals_padded_step(pairs_llama, objective, extra):
+    """DPO (its pair terms, the per-token IPO too) and KTO (its KL estimate from the mismatched
+    half): the same step packed and padded; a pair's two sequences stay in one micro-batch."""
+    records = _preference(30)
+    keys = ["data.format=preference", f"trainer.objective={objective}", *extra]
+    padded, _ = _task(pairs_llama, False, *keys, records=records)
+    packed, lines = _task(pairs_llama, True, *keys, records=records)
+    assert len(packed.train_ds) < len(padded.train_ds) == packed.train_ds.examples
+    assert any(x.startswith("data.pack:") for x in lines)
+    batch = packed.collate([packed.train_ds[0], packed.train_ds[1]])
+    assert packed.count_units(batch) == len(packed.train_ds[0]) + len(packed.train_ds[1])
+    _same_step(padded, packed)
+
+
+def test_plan_says_the_padding_share(pairs_llama, tmp_path, capsys):
+    """`paratrain plan` on a fine-tuning config: the padding share, and the line that cuts it."""
+    import json
+
+    from paratrain.cli import main
+    from tests.e2e._tiny_model import write_jsonl
+    data = write_jsonl(tmp_path / "train.jsonl", _pairs(60))
+    base = ["plan", "model.arch=hf", f"model.path={pairs_llama}", "data.format=pairs",
+            f"data.source={data}", f"data.cache_dir={tmp_path / 'cache'}",
+            "trainer.batch_size=16"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "padding: about" in out and "data.pack=true" in out
+    assert main(base + ["data.pack=true", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["padding_share"] < 0.25
