@@ -189,7 +189,7 @@ def check_context_task(task: Task, cp: int) -> None:
     """Context parallelism cuts the built-in llama / gpt's packed windows (every token a loss
     unit, parallel/context.py); any other task is refused in one line before any worker."""
     from .tasks.pretraining import LMTask
-    if cp > 1 and not (isinstance(task, LMTask) and not task.is_hf and task.cfg.task.packed):
+    if cp > 1 and not (isinstance(task, LMTask) and not task.is_hf and task.cfg.task_spec.packed):
         raise ConfigError(f"trainer.context_parallel={cp} splits the packed windows of the "
                           f"built-in llama / gpt only, not {type(task).__name__}'s model; use "
                           "trainer.context_parallel=1")

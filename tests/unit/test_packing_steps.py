@@ -21,7 +21,7 @@ def _task(model: str, pack: bool, *extra: str, records: list):
         "model.arch=hf", f"model.path={model}", "data.max_length=96", f"data.pack={pack}",
         "trainer.batch_size=4", "trainer.seed=5", *extra])
     lines: list[str] = []
-    task = cfg.task.load().prepare(cfg, DistEnv.single("cpu"), TaskRecords(records), lines.append)
+    task = cfg.task_spec.load().prepare(cfg, DistEnv.single("cpu"), TaskRecords(records), lines.append)
     return task, lines
 
 

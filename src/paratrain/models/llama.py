@@ -142,7 +142,9 @@ class TransformerBlock(nn.Module):
                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: (B, T, C); mask: None (plain causal), bool (B, 1, T, T) (True = may attend) or a
         # flex-attention BlockMask; positions: None or (B, T), restarting per packed example
-        x = x + self.resid_dropout(self.attention(self.attention_norm(x), mask, positions))
+        # positions by keyword: tensor parallelism's input plan lays out (x, mask) alone
+        h = self.attention(self.attention_norm(x), mask, positions=positions)
+        x = x + self.resid_dropout(h)
         x = x + self.resid_dropout(self.feed_forward(self.ffn_norm(x)))
         return x
 
