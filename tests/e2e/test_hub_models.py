@@ -8,6 +8,7 @@ reads the cache."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -126,10 +127,20 @@ def test_reward_models_and_the_reference_by_id(tmp_path, offline):
     from tests.e2e._tiny_model import write_jsonl
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
     snapshot = str(offline / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT)
+    # a reward model is a one-label sequence classifier (the config refuses a causal LM):
+    # the tiny Llama's files with that head's config.json, as its own repo
+    scorer = tmp_path / "scorer"
+    shutil.copytree(snapshot, scorer)
+    config = json.loads((scorer / "config.json").read_text())
+    config.update(architectures=["LlamaForSequenceClassification"], num_labels=1,
+                  id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (scorer / "config.json").write_text(json.dumps(config))
+    scorer_snapshot = str(put_in_hub_cache(scorer, offline, "tiny-org/tiny-scorer"))
     cfg = TrainConfig.from_yaml(None, [
         "model.arch=hf", f"model.path={HUB_ID}", "data.format=prompts", f"data.source={prompts}",
-        "trainer.objective=grpo", f"rl.reward_models=[{HUB_ID}]", f"dpo.reference={HUB_ID}"])
-    assert cfg.rl.reward_models == [snapshot] and cfg.dpo.reference == snapshot
+        "trainer.objective=grpo", "rl.reward_models=[tiny-org/tiny-scorer]",
+        f"dpo.reference={HUB_ID}"])
+    assert cfg.rl.reward_models == [scorer_snapshot] and cfg.dpo.reference == snapshot
 
 
 def test_a_missing_id_is_one_line(capsys, tmp_path, offline):
