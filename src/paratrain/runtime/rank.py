@@ -344,15 +344,14 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
         "tensor-parallel workers" if dims.pp == 1 else \
         f"{dims.dp} data-parallel worker{'s' if dims.dp > 1 else ''} per stage of a " \
         f"{dims.pp}-stage pipeline"
-    repeat = plan.steps_per_batch
-    reused = (f" = {-(-plan.total_steps // repeat)} rollouts x {repeat} iterations each"
-              if repeat > 1 else "")
+    repeat, per_epoch = plan.steps_per_batch, f"({plan.steps_per_epoch} per epoch)"
+    decided = ("by trainer.max_steps, trainer.epochs counts only when it is null"
+               if tr.max_steps else f"by trainer.epochs={tr.epochs}")
+    steps = (f"{plan.total_steps} steps = {-(-plan.total_steps // repeat)} rollouts x {repeat} "
+             f"iterations each {per_epoch}, {decided}" if repeat > 1 else
+             f"{plan.total_steps} steps {decided} {per_epoch}")
     log(env, f"batch: {tr.batch_size} per device x {split} x {plan.accum} "
-             f"accumulation = {plan.global_batch} {task.sample_name}; {plan.total_steps} steps"
-             f"{reused} "
-             + ("by trainer.max_steps, trainer.epochs counts only when it is null"
-                if tr.max_steps else f"by trainer.epochs={tr.epochs}")
-             + f" ({plan.steps_per_epoch} per epoch)")
+             f"accumulation = {plan.global_batch} {task.sample_name}; {steps}")
     for line in [*optim.schedule_warnings(plan.cfg.optim, plan.total_steps),
                  bound_line(plan, task)]:
         if line:
