@@ -1,6 +1,7 @@
 """One contract over every registered task (config/registry.py), one row each in ROWS: 1 and 2
 workers run the same steps, a run killed after a committed snapshot resumes bit-identical,
-`paratrain plan` measures it (or says in one line that it cannot yet), and its guide's example
+`paratrain plan` measures it (or gives its padding share and says in one line that it cannot
+measure its memory yet), and its guide's example
 runs as printed. A registered task without a row fails `test_every_registered_task_has_a_row`.
 
 A row is a function of the session's shared inputs (`Inputs`) giving the task's run: `Row`'s
@@ -167,7 +168,7 @@ def test_one_and_two_workers_agree(tmp_path_factory, inputs, key):
     s1, s2 = read_summary(one.dir), read_summary(two.dir)
     val = sorted(k for k in s1 if k.startswith("val_") and isinstance(s1[k], (int, float)))
     assert "val_loss" in val and [k for k in s2 if k.startswith("val_")] and \
-        all(s1[k] == pytest.approx(s2[k], abs=1e-5) for k in val), (s1, s2)
+        all(s1[k] == pytest.approx(s2[k], rel=1e-5, abs=1e-5) for k in val), (s1, s2)
 
 
 @pytest.mark.parametrize("key", HERE, ids="-".join)
@@ -193,8 +194,9 @@ def test_plan_measures_it_or_says_it_cannot(capsys, tmp_path, inputs, key):
     if ROWS[key].plans:
         assert code == 0 and "trainer.strategy=auto picks" in out + err, err[-3000:]
         assert any(line.split()[:1] == ["ddp"] for line in out.splitlines()), out
-    else:
-        assert code == 2 and "paratrain plan cannot measure" in err, err[-3000:]
+    else:  # its padding share, and one line saying the memory is not measured yet
+        assert code == 0 and "padding: about" in out and \
+            "paratrain plan cannot measure" in out, out + err[-3000:]
 
 
 def _guide_blocks(page: str) -> list[list[str]]:
