@@ -28,7 +28,11 @@ VARIANTS = {
 }
 
 
-def make_model(out: Path, texts: list[str]) -> Path:
+def make_model(out: Path, texts: list[str], *, vocab: int = 4096, hidden: int = 256,
+               intermediate: int = 688, layers: int = 4, kv_heads: int = 4,
+               positions: int = 256) -> Path:
+    """A Llama of these sizes with a BPE tokenizer trained on `texts`, saved to `out` as a
+    from_pretrained folder (kept when it is there): the benchmarks' local base model."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -38,14 +42,15 @@ def make_model(out: Path, texts: list[str]) -> Path:
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     hf.train_from_iterator(texts, trainer=trainers.BpeTrainer(
-        vocab_size=4096, show_progress=False, special_tokens=["</s>"],
+        vocab_size=vocab, show_progress=False, special_tokens=["</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=hf, eos_token="</s>")
     tok.save_pretrained(out)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=688,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, max_position_embeddings=positions,
+                         eos_token_id=tok.eos_token_id,
                          tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
     return out

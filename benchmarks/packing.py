@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dpo import make_model  # the benchmarks' local base model (this folder)
+
 COMMON = ["model.arch=hf", "data.format=pairs", "data.max_length=2048", "trainer.devices=cpu:2",
           "trainer.max_steps=null", "trainer.epochs=1", "trainer.eval_every=100000",
           "trainer.log_every=10", "trainer.progress_bar=false", "optim.lr=3e-3",
@@ -47,30 +49,6 @@ def stdlib_text(limit: int = 6_000_000) -> str:
         if size > limit:
             break
     return "\n".join(parts)
-
-
-def make_model(out: Path, text: str) -> Path:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    if (out / "model.safetensors").is_file():
-        return out
-    hf = Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator([text[i:i + 10000] for i in range(0, len(text), 10000)],
-                           trainer=trainers.BpeTrainer(
-                               vocab_size=1024, show_progress=False, special_tokens=["</s>"],
-                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=hf, eos_token="</s>")
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, eos_token_id=tok.eos_token_id,
-                         tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def make_pairs(model: Path, text: str, n: int, seed: int) -> tuple[list[dict], np.ndarray]:
@@ -123,7 +101,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = stdlib_text()
-    model = make_model(out / "tiny-llama", text)
+    model = make_model(out / "tiny-llama", [text[i:i + 10000] for i in range(0, len(text), 10000)],
+                       vocab=1024, hidden=64, intermediate=128, layers=2, kv_heads=2,
+                       positions=2048)
     train, lengths = make_pairs(model, text, args.examples, seed=0)
     val, _ = make_pairs(model, text[len(text) // 2:], 100, seed=1)
     for name, rows in (("train", train), ("val", val)):
