@@ -58,6 +58,9 @@ def test_cp_groups_are_taken_from_the_data_parallel_ranks():
     (["trainer.devices=cpu:2", "trainer.context_parallel=2", "trainer.pipeline_parallel=2"],
      "trainer.context_parallel=2 cannot be combined with trainer.pipeline_parallel=2 yet; set "
      "one of them to 1"),
+    (["trainer.devices=cpu:2", "trainer.context_parallel=2", "data.document_mask=true"],
+     "trainer.context_parallel=2 cannot split windows with data.document_mask=true yet (each "
+     "rank would need every document's bounds); set one of them off"),
 ])
 def test_bad_context_parallel_is_one_line_before_anything_runs(tmp_path, monkeypatch, capsys,
                                                                  corpus_dir, extra, message):
