@@ -1,6 +1,8 @@
 """The session's trained runs: each configuration is trained once, by the real CLI, and every test
 that only reads a finished run of it gets the same one.
 
+Under pytest-xdist the cache spans the workers (tests/_shared.py): the first worker that asks
+for a run trains it under a lock in the session's shared folder, the others wait and read it.
 The key is the resolved configuration (defaults filled in, run.name/run.dir left out), so two
 tests that spell the same run differently (a default given or not) still share it. The runs are
 read only: a test that changes a run dir (deletes, renames, resumes into it) works on a copy.
@@ -14,11 +16,14 @@ on: the run whose records test_cli.py and test_report.py read.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from tests._shared import held, session_root
 from tests.conftest import run_cli, tiny_overrides
 
 ONE_WORKER = {"trainer.devices": "cpu:1", "trainer.batch_size": 8,
@@ -52,11 +57,30 @@ def trained_run(tmp_path_factory, overrides: Mapping[str, object], timeout: floa
         "the cache names its runs; leave run.dir and run.name out"
     key = _key(over)
     if key not in _RUNS:
-        cwd = tmp_path_factory.mktemp("run")
-        r = run_cli(["train"] + over + [f"run.dir={cwd / 'run'}"], cwd=cwd, timeout=timeout)
-        assert r.returncode == 0, r.stderr[-3000:]
-        _RUNS[key] = Run(cwd / "run", cwd, over, r.stdout, r.stderr)
+        cwd, stdout, stderr = _trained_once(tmp_path_factory, over, key, timeout)
+        _RUNS[key] = Run(cwd / "run", cwd, over, stdout, stderr)
     return _RUNS[key]
+
+
+def _trained_once(tmp_path_factory, over: list[str], key: str, timeout: float
+                  ) -> tuple[Path, str, str]:
+    """(where it ran, stdout, stderr) of the session's run of `key`, trained here unless a
+    worker did it first (a failed training leaves no record: the next asker tries again)."""
+    root = session_root(tmp_path_factory) / "runs"
+    root.mkdir(exist_ok=True)
+    name = hashlib.sha1(key.encode()).hexdigest()[:16]
+    record = root / f"{name}.json"
+    with held(root / f"{name}.lock"):
+        if not record.exists():
+            cwd = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+            r = run_cli(["train"] + over + [f"run.dir={cwd / 'run'}"], cwd=cwd, timeout=timeout)
+            assert r.returncode == 0, r.stderr[-3000:]
+            written = record.with_suffix(".tmp")
+            written.write_text(json.dumps({"cwd": str(cwd), "stdout": r.stdout,
+                                           "stderr": r.stderr}))
+            written.rename(record)
+    saved = json.loads(record.read_text())
+    return Path(saved["cwd"]), saved["stdout"], saved["stderr"]
 
 
 def tiny_run(tmp_path_factory, corpus_dir: Path, cache_dir: Path, timeout: float = 240,

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests._progress import Stalled, session_pids, wait_while_progressing
+from tests._shared import built_once
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,14 +32,15 @@ REPO = Path(__file__).resolve().parents[1]
 def corpus_dir(tmp_path_factory) -> Path:
     """~0.4 MB of real text: the source of the standard library's `email` package."""
     src = Path(sysconfig.get_paths()["stdlib"]) / "email"
-    dst = tmp_path_factory.mktemp("corpus") / "email"
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-    return dst
+    return built_once(tmp_path_factory, "corpus", lambda folder: Path(shutil.copytree(
+        src, folder / "email", ignore=shutil.ignore_patterns("__pycache__"))))
 
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("paratrain-cache")
+    """The tiny runs' data.cache_dir, one for the whole session (the cache is safe to share:
+    racing builders both use whichever finished first, data/cache.py)."""
+    return built_once(tmp_path_factory, "paratrain-cache", lambda folder: folder)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -128,7 +130,8 @@ def hf_llama(tmp_path_factory, corpus_dir) -> Path:
     385, trained on the corpus), for the tests that need a pretrained model folder to train on
     the corpus or to refuse bad input with: built once, in this process."""
     pytest.importorskip("transformers")
-    return make_hf_llama(tmp_path_factory.mktemp("hf") / "tiny-llama", corpus_texts(corpus_dir))
+    return built_once(tmp_path_factory, "hf", lambda folder: make_hf_llama(
+        folder / "tiny-llama", corpus_texts(corpus_dir)))
 
 
 @pytest.fixture(scope="session")
@@ -139,7 +142,8 @@ def pairs_llama(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     from tests.e2e._tiny_model import make_pairs, make_tiny_llama
     texts = [r["input"] + " " + r["output"] for r in make_pairs(120)]
-    return make_tiny_llama(tmp_path_factory.mktemp("pairs-llama") / "my-model", texts)
+    return built_once(tmp_path_factory, "pairs-llama",
+                      lambda folder: make_tiny_llama(folder / "my-model", texts))
 
 
 def cli_env(extra: dict | None = None) -> dict:

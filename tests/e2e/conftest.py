@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._shared import built_once
+
 
 @pytest.fixture(scope="session")
 def preference_llama(tmp_path_factory) -> Path:
@@ -13,14 +15,14 @@ def preference_llama(tmp_path_factory) -> Path:
     that they read and never change."""
     pytest.importorskip("transformers")
     from tests.e2e._preference_data import make_preference_llama
-    return make_preference_llama(tmp_path_factory.mktemp("preference-llama"))
+    return built_once(tmp_path_factory, "preference-llama", make_preference_llama)
 
 
 @pytest.fixture(scope="session")
 def preference_data(tmp_path_factory) -> tuple[Path, Path]:
     """Their train.jsonl and val.jsonl (`write_preference_data`)."""
     from tests.e2e._preference_data import write_preference_data
-    return write_preference_data(tmp_path_factory.mktemp("preference-data"))
+    return built_once(tmp_path_factory, "preference-data", write_preference_data)
 
 
 @pytest.fixture(scope="session")
@@ -28,4 +30,4 @@ def preference_bert(tmp_path_factory) -> Path:
     """A tiny BERT-like encoder (with its pooler) for the embedding and SetFit tests."""
     pytest.importorskip("transformers")
     from tests.e2e._preference_data import make_tiny_bert
-    return make_tiny_bert(tmp_path_factory.mktemp("preference-bert"))
+    return built_once(tmp_path_factory, "preference-bert", make_tiny_bert)
