@@ -85,10 +85,11 @@ def _preference(n: int) -> list[dict]:
 
 @pytest.mark.parametrize("objective,extra", [
     ("dpo", ()), ("dpo", ("dpo.loss=ipo",)), ("dpo", ("dpo.precompute_reference=true",)),
-    ("kto", ())])
+    ("kto", ()), ("reward", ())])
 def test_preference_packed_step_equals_padded_step(pairs_llama, objective, extra):
-    """DPO (its pair terms, the per-token IPO too) and KTO (its KL estimate from the mismatched
-    half): the same step packed and padded; a pair's two sequences stay in one micro-batch."""
+    """DPO (its pair terms, the per-token IPO too), KTO (its KL estimate from the mismatched
+    half) and a reward model (each sequence scored at its own last token): the same step packed
+    and padded; a pair's two sequences stay in one micro-batch."""
     records = _preference(30)
     keys = ["data.format=preference", f"trainer.objective={objective}", *extra]
     padded, _ = _task(pairs_llama, False, *keys, records=records)

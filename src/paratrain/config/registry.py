@@ -204,9 +204,7 @@ register(TaskSpec(
 register(TaskSpec(
     "preference", "paratrain.tasks.preference.reward:RewardTask", pretrained=True, objective="reward",
     record_fields=PREFERENCE_FIELDS, checks=(check_preference_fields,), encoder_decoder=None,
-    generate="paratrain.tasks.preference.reward:generate_score",
-    no_pack="a sequence-classification head pools one score per row (transformers' "
-            "*ForSequenceClassification read the last token of each row)",
+    generate="paratrain.tasks.preference.reward:generate_score", packs=True,
     summary="a reward model (a one-score head) on preference pairs, Bradley-Terry loss"))
 register(TaskSpec(
     "preference", "paratrain.tasks.preference.kto:KTOTask", pretrained=True, objective="kto",
