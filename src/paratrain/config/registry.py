@@ -51,7 +51,7 @@ class TaskSpec:
     encoder_decoder: Optional[bool] = False  # the models it trains: True encoder-decoder (T5,
     # BART), False decoder-only, None either (its own check_model refuses what it cannot train)
     packs: bool = False  # data.pack=true: several examples per row, kept apart (data/packing.py)
-    no_pack: str = "it reads one output per row (a class, a score or an embedding)"  # and why not
+    no_pack: str = "it reads one output per row (a class or an embedding)"  # and why not
 
     def load(self) -> Any:
         """The Task class."""
@@ -245,21 +245,19 @@ register(TaskSpec(
             "the outputs"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.grpo:GRPOTask", pretrained=True, objective="grpo",
-    record_fields=("prompt",), checks=(check_grpo,),
+    record_fields=("prompt",), checks=(check_grpo,), packs=True,  # the learning pass
     generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as in training
-    no_pack="its rows are made by sampling during the run, not read from data.source",
     summary="online RL (GRPO): a pretrained causal LM samples completions of prompts and learns "
             "from their rewards (rl.*)"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.ppo:PPOTask", pretrained=True, objective="ppo",
-    record_fields=("prompt",), checks=(check_ppo,),
+    record_fields=("prompt",), checks=(check_ppo,), packs=True,  # the learning pass
     generate="paratrain.models.hf:generate_hf_reply",
-    no_pack="its rows are made by sampling during the run, not read from data.source",
     summary="online RL (PPO): a pretrained causal LM with a value head learns from the rewards "
             "of its own completions (rl.*)"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.rloo:RLOOTask", pretrained=True, objective="rloo",
-    record_fields=("prompt",), checks=(check_rloo,),
+    record_fields=("prompt",), checks=(check_rloo,), packs=True,  # the learning pass
     generate="paratrain.models.hf:generate_hf_reply",
     summary="online RL (RLOO): a pretrained causal LM learns from its completions' rewards, "
             "each against the mean of its prompt's other completions (rl.*)"))
