@@ -78,6 +78,15 @@ class GRPOTask(CausalLMTask):
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
         return _PromptEncoder(cfg, tokenizer, notes)
 
+    def arrange(self, log: Callable[[str], None]) -> None:
+        """The prompts are not packed (sampling reads them padded); data.pack=true packs the
+        learning pass, and the log says so."""
+        super().arrange(log)
+        if self.cfg.data.pack:
+            log(f"data.pack: the learning pass packs each prompt and its completion into rows "
+                f"of up to {self.cfg.max_length} tokens (data.max_length); sampling stays "
+                f"padded, and trainer.batch_size counts prompts")
+
     @classmethod
     def dataset(cls, examples: list) -> Any:
         from .prompts import PromptDataset
