@@ -1,7 +1,9 @@
 """One step on the same examples, packed (data.pack=true) vs padded: the same loss and gradients
-(fp32, 1e-5), on the real tasks with a tiny Hugging Face Llama (issue 38). The loss is a sum over
+(fp32, 1e-5), on the real tasks with a tiny Hugging Face Llama (issue 38): SFT pairs, DPO, KTO,
+reward models, and online RL's learning pass on one fixed rollout. The loss is a sum over
 counted units divided by their number, so how examples are laid out in rows cannot change it
-unless attention leaks between them, which is what these would catch."""
+unless attention leaks between them (or a score is read at the wrong token), which is what these
+would catch."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from ..fileio import atomic_dir
 from ..formatting import human_count
 from ..models.hf import make_portable, quiet_transformers
 from .base import MemoryProbe, Task, TaskRecords
-from .neftune import PackedNEFTune, neftune_noise  # noqa: F401 (neftune_noise: also imported from here)
+from .neftune import PackedNEFTune, neftune_noise  # noqa: F401 (imported from here too)
 
 
 class Encoder:

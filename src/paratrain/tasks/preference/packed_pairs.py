@@ -75,7 +75,8 @@ def packed_pairs(rows: List[List[Dict[str, Any]]], sides: Sequence[str], pad_id:
 
 def _last_tokens(pieces: List[List[tuple]], T: int, pad_id: int, n: int) -> torch.Tensor:
     """(n,) for each sequence the flat index (row * T + column) of its last token that is not
-    pad_id (its first when all are, as transformers' argmax): the token a padded row's score is read from."""
+    pad_id (its first when all are, as transformers' argmax does): the token a padded row's score
+    is read from."""
     ends = torch.zeros(n, dtype=torch.long)  # (n,)
     for r, row in enumerate(pieces):
         at = 0

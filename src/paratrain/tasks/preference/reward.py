@@ -80,6 +80,14 @@ class RewardTask(PairTask, PretrainedTask):
         from .packed_pairs import pair_sizes
         return pair_sizes(ds, cls.sides(), shift=False)
 
+    def build_model(self) -> nn.Module:
+        """The classifier; packed, with the per-token head its scores are read from (or one
+        line, before the first step)."""
+        model = super().build_model()
+        if self.cfg.data.pack:
+            score_head(model)
+        return model
+
     def load_pretrained(self) -> nn.Module:
         return load_classifier(self.cfg.model.path, [SCORE_LABEL], self.tokenizer.pad_token_id,
                                len(self.tokenizer))
@@ -125,9 +133,10 @@ def score_head(model: nn.Module) -> nn.Module:
     """The one-score head applied to every token (`score` in transformers' decoder-only
     *ForSequenceClassification; the outermost module of that name: peft's wrapper, DDP's
     inner model's)."""
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] == SCORE_HEAD:
-            return module
+    found = [(name.count("."), name) for name, _ in model.named_modules()
+             if name.rsplit(".", 1)[-1] == SCORE_HEAD]
+    if found:
+        return model.get_submodule(min(found)[1])
     raise ConfigError(f"data.pack=true: {type(model).__name__} has no per-token `{SCORE_HEAD}` "
                       "head (an encoder pools its first token), so packed rows cannot be scored "
                       "per example; use a decoder-only model or data.pack=false")
