@@ -1,6 +1,7 @@
 """Packed fine-tuning (data.pack=true) as real runs (issue 38): the rows are made before the data
-is dealt, so 1 and 2 workers train the same rows (per-step losses within 1e-5), and a packed run
-that died resumes bit-identical (snapshot helpers of the snapshot tests)."""
+is dealt, so 1 worker accumulating and 2 workers train the same rows (per-step losses within
+1e-5), and a packed run that died resumes bit-identical (snapshot helpers of the snapshot
+tests)."""
 
 from __future__ import annotations
 
@@ -42,13 +43,16 @@ def _packed(pairs_llama: Path, data: Path, cache: Path, **extra) -> dict:
 
 def test_one_and_two_workers_train_the_same_packed_rows(tmp_path_factory, pairs_llama, data,
                                                         cache):
+    """One worker accumulating 2 micro-batches of 2 rows against 2 workers of 2 rows each: the
+    same global batches of the same rows, the same per-step losses."""
     one = trained_run(tmp_path_factory, _packed(pairs_llama, data, cache, **{
-        "trainer.devices": "cpu:1", "trainer.batch_size": 4}), timeout=400)
+        "trainer.devices": "cpu:1", "trainer.batch_size": 2}), timeout=400)
     two = trained_run(tmp_path_factory, _packed(pairs_llama, data, cache, **TWO), timeout=400)
     a, b = read_metrics(one.dir), read_metrics(two.dir)
     assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 7))
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * max(1.0, abs(x["loss"])), (x, y)
+    assert "x 2 accumulation = 4 packed rows" in one.stderr, one.stderr[-2000:]
     for run in (one, two):
         assert "trainer.batch_size counts rows" in run.stderr
         assert "per row on average" in run.stderr

@@ -199,3 +199,32 @@ def test_a_model_that_leaks_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="lets packed examples see each other") as e:
         check_packed_attention(model)
     assert "\n" not in str(e.value) and "data.group_by_length=true" in str(e.value)
+
+
+def test_neftune_noise_on_packed_rows_is_bounded_by_each_examples_length():
+    """trainer.neftune_noise_alpha with data.pack=true: a token's noise is bounded by its own
+    example's length (alpha / sqrt(L_i x C)), not the row's; without position ids, the padded
+    bound (HF Trainer's)."""
+    from paratrain.tasks.neftune import PackedNEFTune, example_lengths
+
+    class Body(torch.nn.Module):  # a decoder: embeddings, reached with position_ids
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 64)
+
+        def forward(self, ids, position_ids=None):
+            return self.emb(ids)
+
+    body = Body()
+    PackedNEFTune(4.0).attach(body, body.emb)
+    ids = torch.arange(40)[None]  # (1, 40): examples of 30 and 10 tokens
+    positions = restarting_positions([30, 10])[None]  # (1, 40)
+    assert example_lengths(positions).tolist() == [[30] * 30 + [10] * 10]
+    noise = (body(ids, position_ids=positions) - body.emb.weight[ids]).detach()[0]  # (40, 64)
+    for piece, n in ((noise[:30], 30), (noise[30:], 10)):
+        bound = 4.0 / (n * 64) ** 0.5
+        assert 0.9 * bound < float(piece.abs().max()) <= bound * (1 + 1e-6), (n, bound)
+    padded = (body(ids) - body.emb.weight[ids]).detach()  # no positions: the row's 40 tokens
+    assert float(padded.abs().max()) <= 4.0 / (40 * 64) ** 0.5 * (1 + 1e-6)
+    body.eval()
+    assert torch.equal(body(ids, position_ids=positions), body.emb.weight[ids])

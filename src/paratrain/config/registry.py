@@ -51,7 +51,7 @@ class TaskSpec:
     encoder_decoder: Optional[bool] = False  # the models it trains: True encoder-decoder (T5,
     # BART), False decoder-only, None either (its own check_model refuses what it cannot train)
     packs: bool = False  # data.pack=true: several examples per row, kept apart (data/packing.py)
-    no_pack: str = "it reads one output per row (a class, a score or an embedding)"  # and why not
+    no_pack: str = "it reads one output per row (a class or an embedding)"  # and why not
 
     def load(self) -> Any:
         """The Task class."""
@@ -204,9 +204,7 @@ register(TaskSpec(
 register(TaskSpec(
     "preference", "paratrain.tasks.preference.reward:RewardTask", pretrained=True, objective="reward",
     record_fields=PREFERENCE_FIELDS, checks=(check_preference_fields,), encoder_decoder=None,
-    generate="paratrain.tasks.preference.reward:generate_score",
-    no_pack="a sequence-classification head pools one score per row (transformers' "
-            "*ForSequenceClassification read the last token of each row)",
+    generate="paratrain.tasks.preference.reward:generate_score", packs=True,
     summary="a reward model (a one-score head) on preference pairs, Bradley-Terry loss"))
 register(TaskSpec(
     "preference", "paratrain.tasks.preference.kto:KTOTask", pretrained=True, objective="kto",
@@ -247,21 +245,19 @@ register(TaskSpec(
             "the outputs"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.grpo:GRPOTask", pretrained=True, objective="grpo",
-    record_fields=("prompt",), checks=(check_grpo,),
+    record_fields=("prompt",), checks=(check_grpo,), packs=True,  # the learning pass
     generate="paratrain.models.hf:generate_hf_reply",  # prompts rendered as in training
-    no_pack="its rows are made by sampling during the run, not read from data.source",
     summary="online RL (GRPO): a pretrained causal LM samples completions of prompts and learns "
             "from their rewards (rl.*)"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.ppo:PPOTask", pretrained=True, objective="ppo",
-    record_fields=("prompt",), checks=(check_ppo,),
+    record_fields=("prompt",), checks=(check_ppo,), packs=True,  # the learning pass
     generate="paratrain.models.hf:generate_hf_reply",
-    no_pack="its rows are made by sampling during the run, not read from data.source",
     summary="online RL (PPO): a pretrained causal LM with a value head learns from the rewards "
             "of its own completions (rl.*)"))
 register(TaskSpec(
     "prompts", "paratrain.tasks.rl.rloo:RLOOTask", pretrained=True, objective="rloo",
-    record_fields=("prompt",), checks=(check_rloo,),
+    record_fields=("prompt",), checks=(check_rloo,), packs=True,  # the learning pass
     generate="paratrain.models.hf:generate_hf_reply",
     summary="online RL (RLOO): a pretrained causal LM learns from its completions' rewards, "
             "each against the mean of its prompt's other completions (rl.*)"))

@@ -141,9 +141,10 @@ class TrainerConfig:
     """Optimizer steps between evaluations on the validation data; 0: no evaluation at all
     (neither during the run nor at its end)."""
     eval_samples: Optional[int] = 1024
-    """Evaluate on the first N held-out samples (windows, rows or examples): a bound that keeps
-    each evaluation short on a large corpus (the log says when it leaves samples out); null:
-    every held-out sample once, whatever its size."""
+    """Evaluate on the first N held-out samples (windows, rows or examples; with data.pack=true
+    packed rows, each holding several examples): a bound that keeps each evaluation short on a
+    large corpus (the log says when it leaves samples out); null: every held-out sample once,
+    whatever its size."""
     verbose: bool = False
     """A memory table per rank at start, after each epoch and at the end."""
     activation_checkpointing: bool = False
@@ -181,7 +182,7 @@ class TrainerConfig:
     """Label smoothing of the token / text cross-entropy while training (not validation)."""
     neftune_noise_alpha: Optional[float] = None
     """Fine-tuning formats: NEFTune noise of +-alpha/sqrt(T x C) on the input embeddings while
-    training; null: off."""
+    training (T the padded length; with data.pack=true each example's own length); null: off."""
     objective: str = "auto"
     """What data.format trains: auto (the format's first) | lm | sft | classify | setfit
     (classify data) | dpo | kto | reward (preference data) | seq2seq (pairs on an

@@ -246,7 +246,8 @@ def check_packed_attention(model: nn.Module) -> None:
     flash-attention paths read them as cumulative lengths), but only with no cache (use_cache is
     switched off here) and only in models built on its masking utilities. So this tries it: two
     pieces of 3 and 2 tokens in one row, against the second alone, in eval mode and fp32-exact
-    within 1e-4; a model that leaks is refused in one line."""
+    within 1e-4, on the last hidden states (a causal LM's and a sequence classifier's alike: the
+    heads act per token); a model that leaks is refused in one line."""
     import torch
     model.config.use_cache = False  # a cache turns transformers' packed-row detection off
     impl = getattr(model.config, "_attn_implementation", None)
@@ -258,8 +259,9 @@ def check_packed_attention(model: nn.Module) -> None:
     model.eval()
     try:
         with torch.no_grad():
-            packed = model(ids, position_ids=positions).logits[0, 3:].float()  # (2, V)
-            alone = model(ids[:, 3:]).logits[0].float()  # (2, V)
+            packed = _last_hidden(model(ids, position_ids=positions,
+                                        output_hidden_states=True))[0, 3:]  # (2, C)
+            alone = _last_hidden(model(ids[:, 3:], output_hidden_states=True))[0]  # (2, C)
         leaks = float((packed - alone).abs().max()) > 1e-4 * max(1.0, float(alone.abs().max()))
     except (TypeError, ValueError, RuntimeError) as e:
         leaks, impl = True, f"{impl} ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
@@ -272,6 +274,11 @@ def check_packed_attention(model: nn.Module) -> None:
             "a model transformers builds on its masking utilities (Llama, Qwen2, Mistral, "
             "Gemma, ...) with attn_implementation sdpa, eager, flex_attention or "
             "flash_attention_2, or leave data.pack=false and set data.group_by_length=true")
+
+
+def _last_hidden(out: Any) -> Any:
+    """(B, T, C) the last layer's hidden states of a transformers output, in fp32."""
+    return out.hidden_states[-1].float()
 
 
 PACKED_ATTENTION = "paratrain_packed"  # the attention implementation packed runs register
@@ -296,12 +303,14 @@ def packed_sdpa(module: nn.Module, query: Any, key: Any, value: Any, attention_m
                 dropout: float = 0.0, scaling: Optional[float] = None, **kwargs: Any) -> Any:
     """transformers' attention interface: q (B, H, T, D), k / v (B, KV, T, D) -> (B, T, H, D).
     On the CPU with packed position ids, each example (a run of positions restarting at 0) gets
-    its own causal SDPA; otherwise transformers' SDPA with `attention_mask`."""
+    its own causal SDPA; otherwise (on CUDA, or a step that reads a KV cache: keys longer than
+    the queries, as online RL's sampling does) transformers' SDPA with `attention_mask`."""
     import torch
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     positions = kwargs.get("position_ids")
-    if query.is_cuda or positions is None or positions.shape[0] != query.shape[0]:
+    if (query.is_cuda or positions is None or positions.shape[0] != query.shape[0]
+            or key.shape[2] != query.shape[2]):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     p = dropout if module.training else 0.0

@@ -11,7 +11,6 @@ tokenizer and encoding again; they need only the config, or the Python API's lis
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -31,6 +30,7 @@ from ..fileio import atomic_dir
 from ..formatting import human_count
 from ..models.hf import make_portable, quiet_transformers
 from .base import MemoryProbe, Task, TaskRecords
+from .neftune import PackedNEFTune, neftune_noise  # noqa: F401 (imported from here too)
 
 
 class Encoder:
@@ -280,10 +280,13 @@ class PretrainedTask(Task):
             from ..models.hf import check_packed_attention, use_packed_attention
             use_packed_attention(model)
             check_packed_attention(model)
+        body = model.base_model  # the decoder the position ids reach (peft wraps the model)
         if self.lora:
             model = apply_lora(model, self.cfg.model.lora, task_type=self.lora_task_type)
         alpha = self.cfg.trainer.neftune_noise_alpha
-        if alpha:
+        if alpha and self.cfg.data.pack:  # each example's own length bounds its noise
+            PackedNEFTune(alpha).attach(body, model.get_input_embeddings())
+        elif alpha:
             model.get_input_embeddings().register_forward_hook(partial(neftune_noise, alpha))
         return model
 
@@ -354,15 +357,6 @@ class PretrainedTask(Task):
         make_portable(folder)
         if self.cfg.data.pack:  # training switched the cache off (packed rows); generation wants it
             restore_use_cache(folder, self.cfg.model.path)
-
-
-def neftune_noise(alpha: float, module: nn.Module, inputs: Any, output: Any) -> Any:
-    """NEFTune (Jain et al. 2023), as HF Trainer adds it: while training, uniform noise in
-    +-alpha / sqrt(T x C) on the input embeddings (B, T, C), T the padded length."""
-    if not module.training:
-        return output
-    bound = alpha / math.sqrt(output.size(1) * output.size(2))
-    return output + torch.zeros_like(output).uniform_(-bound, bound)  # (B, T, C)
 
 
 def record_sources(cfg: TrainConfig, records: Optional[TaskRecords]) -> tuple[Any, Any]:

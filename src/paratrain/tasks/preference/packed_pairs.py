@@ -1,5 +1,6 @@
-"""Preference pairs packed into rows (data.pack=true, DPO and KTO): a row of the packed dataset
-holds several pairs; its batch keeps each pair's two sequences apart as the padded batch does.
+"""Preference pairs packed into rows (data.pack=true, DPO, KTO and reward models): a row of the
+packed dataset holds several pairs; its batch keeps each pair's two sequences apart as the padded
+batch does.
 
 A micro-batch of R packed rows becomes 2R model rows: row r holds the first sides (chosen, or
 KTO's completions) of packed row r's pairs one after the other, row R + r their second sides
@@ -8,7 +9,9 @@ model keeps attention inside it). `seq_index` says which sequence each token bel
 padded batch's order: the P pairs' first sides 0..P-1, then their second sides P..2P-1 (-1 on
 pads). So `sequence_logps` gives the same (2P,) scores as on padded rows, and DPO's pair terms,
 rewards and a precomputed reference line up unchanged; KTO's two halves are rows [0, R) and
-[R, 2R).
+[R, 2R). A reward model (no shift) reads one score per sequence: `ends` (2P,) flat indices into
+the (2R, T) tokens of each sequence's last non-pad token (where transformers'
+*ForSequenceClassification pools a padded row), and `margin` (P,).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ def pair_sizes(ds: Any, sides: Sequence[str], shift: bool) -> np.ndarray:
 
 def packed_pairs(rows: List[List[Dict[str, Any]]], sides: Sequence[str], pad_id: int,
                  shift: bool) -> Dict[str, torch.Tensor]:
-    """R packed rows of pairs -> (2R, T) input_ids, targets, position_ids, seq_index, and
-    num_sequences (2P, a 0-dim tensor); "reference" (2P,) when the pairs carry it."""
+    """R packed rows of pairs -> (2R, T) input_ids, targets (shift), position_ids, seq_index,
+    and num_sequences (2P, a 0-dim tensor); "reference" (2P,) when the pairs carry it; without
+    shift (a reward model) "ends" (2P,) and "margin" (P,) instead of targets."""
     pairs = [p for row in rows for p in row]  # P, in row order
     P, R = len(pairs), len(rows)
     pieces: List[List[tuple]] = [[] for _ in range(2 * R)]  # per model row: (ids, targets, seq)
@@ -60,10 +64,27 @@ def packed_pairs(rows: List[List[Dict[str, Any]]], sides: Sequence[str], pad_id:
            "num_sequences": torch.tensor(2 * P)}
     if shift:
         out["targets"] = targets
+    else:
+        out["ends"] = _last_tokens(pieces, T, pad_id, 2 * P)  # (2P,)
+        out["margin"] = torch.tensor([p["margin"] for p in pairs], dtype=torch.float32)  # (P,)
     if "reference" in pairs[0]:  # (2P,): first sides, then second sides
         ref = torch.as_tensor(np.stack([p["reference"] for p in pairs]))  # (P, 2)
         out["reference"] = torch.cat([ref[:, 0], ref[:, 1]])
     return out
+
+
+def _last_tokens(pieces: List[List[tuple]], T: int, pad_id: int, n: int) -> torch.Tensor:
+    """(n,) for each sequence the flat index (row * T + column) of its last token that is not
+    pad_id (its first when all are, as transformers' argmax does): the token a padded row's score
+    is read from."""
+    ends = torch.zeros(n, dtype=torch.long)  # (n,)
+    for r, row in enumerate(pieces):
+        at = 0
+        for ids, _, s in row:
+            real = (ids != pad_id).nonzero()  # (k, 1)
+            ends[s] = r * T + at + (int(real[-1]) if len(real) else 0)
+            at += len(ids)
+    return ends
 
 
 def _shifted(seq: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:

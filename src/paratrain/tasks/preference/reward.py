@@ -9,6 +9,12 @@ A text is the prompt followed by the response, tokenized whole as `tokenizer(tex
 saved model/ scores a text with transformers alone exactly as training did. The loss unit is a
 pair; the accuracy (the share of pairs scored the right way round) and the mean scores are sums
 over pairs that the loop adds up over micro-steps and ranks like the loss.
+
+Packed (data.pack=true, decoder-only models): whole pairs go into rows as for DPO
+(packed_pairs.py), each sequence with position ids restarting at 0 so attention stays inside it;
+the head scores every token (transformers' *ForSequenceClassification applies `score` to each
+token, then pools one per row), and each sequence's score is read at its own last non-pad token
+(`packed_scores`), the token a padded row is pooled at: the same scores, losses and gradients.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from ..hf import Encoder, PretrainedTask, quiet_transformers
 from .dpo import PairEncoder, PairTask, reward_counts
 
 SCORE_LABEL = "score"  # the head's one output, named in config.json's id2label
+SCORE_HEAD = "score"  # the module transformers' decoder-only classifiers score tokens with
 
 
 @dataclass
@@ -67,6 +74,20 @@ class RewardTask(PairTask, PretrainedTask):
         from .pairs import PairCollate
         return PairCollate(self.tokenizer.pad_token_id, shift=False)
 
+    @classmethod
+    def token_lengths(cls, ds: Any) -> Any:
+        """(N,) a pair's two whole sequences' tokens in a packed row (no shift)."""
+        from .packed_pairs import pair_sizes
+        return pair_sizes(ds, cls.sides(), shift=False)
+
+    def build_model(self) -> nn.Module:
+        """The classifier; packed, with the per-token head its scores are read from (or one
+        line, before the first step)."""
+        model = super().build_model()
+        if self.cfg.data.pack:
+            score_head(model)
+        return model
+
     def load_pretrained(self) -> nn.Module:
         return load_classifier(self.cfg.model.path, [SCORE_LABEL], self.tokenizer.pad_token_id,
                                len(self.tokenizer))
@@ -76,9 +97,12 @@ class RewardTask(PairTask, PretrainedTask):
                      ) -> tuple[torch.Tensor, int, dict]:
         """(sum of the pairs' losses, pairs, sums of the scores and of right orders)."""
         batch = to_device(batch, device)
-        with amp:
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        scores = out.logits.float().squeeze(-1)  # (2B,)
+        if "ends" in batch:  # packed rows
+            scores = packed_scores(model, batch, amp)  # (2B,)
+        else:
+            with amp:
+                out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            scores = out.logits.float().squeeze(-1)  # (2B,)
         B = scores.shape[0] // 2
         losses = -F.logsigmoid(scores[:B] - scores[B:] - batch["margin"])  # (B,)
         return losses.sum(), B, reward_counts(scores[:B].detach(), scores[B:].detach())
@@ -87,6 +111,35 @@ class RewardTask(PairTask, PretrainedTask):
         return (f"reward model hf ({self.cfg.model.path}, one-score head): "
                 f"{human_count(n_params)} parameters; tokenizer {self.tokenizer_dir} "
                 f"({len(self.tokenizer)} tokens)")
+
+
+def packed_scores(model: nn.Module, batch: dict, amp: ContextManager) -> torch.Tensor:
+    """(2P,) each packed sequence's score: the forward of the whole model (so DDP, FSDP and peft
+    wrap it as usual) with the head's per-token output (2R, T, 1) kept by a forward hook, read at
+    each sequence's last token (`ends`, packed_pairs.py). The row-pooled logits go unused."""
+    head = score_head(model)
+    seen: list = []
+    handle = head.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        with amp:
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    finally:
+        handle.remove()
+    per_token = seen[0].float()[..., 0]  # (2R, T)
+    return per_token.flatten()[batch["ends"]]  # (2P,)
+
+
+def score_head(model: nn.Module) -> nn.Module:
+    """The one-score head applied to every token (`score` in transformers' decoder-only
+    *ForSequenceClassification; the outermost module of that name: peft's wrapper, DDP's
+    inner model's)."""
+    found = [(name.count("."), name) for name, _ in model.named_modules()
+             if name.rsplit(".", 1)[-1] == SCORE_HEAD]
+    if found:
+        return model.get_submodule(min(found)[1])
+    raise ConfigError(f"data.pack=true: {type(model).__name__} has no per-token `{SCORE_HEAD}` "
+                      "head (an encoder pools its first token), so packed rows cannot be scored "
+                      "per example; use a decoder-only model or data.pack=false")
 
 
 def generate_score(model_dir: Path, prompt: str, opts: Any) -> str:

@@ -8,7 +8,8 @@ The loop runs a step in two parts: `rollout` turns the step's prompts into score
 (generation and scoring, timed apart), then the usual micro-steps run `train_counts` on them
 (the loss: grpo_loss.py). A prompt is one sample: its group of completions never leaves its
 rank, so advantages need no communication, and 1 and N workers sample the same completions
-(rollout.py seeds each prompt's generator by the step and its index).
+(rollout.py seeds each prompt's generator by the step and its index). With data.pack=true the
+learning pass (and the old / reference log-probs) runs on packed rows (packed_pass.py).
 
 The reference (rl.beta > 0): a frozen copy of model.path placed and sharded like the policy;
 with LoRA, the policy with its adapters off (no second copy). rl.num_iterations > 1 trains on
@@ -77,6 +78,15 @@ class GRPOTask(CausalLMTask):
     def encoder(cls, cfg: Any, tokenizer: Any, notes: list) -> Encoder:
         return _PromptEncoder(cfg, tokenizer, notes)
 
+    def arrange(self, log: Callable[[str], None]) -> None:
+        """The prompts are not packed (sampling reads them padded); data.pack=true packs the
+        learning pass, and the log says so."""
+        super().arrange(log)
+        if self.cfg.data.pack:
+            log(f"data.pack: the learning pass packs each prompt and its completion into rows "
+                f"of up to {self.cfg.max_length} tokens (data.max_length); sampling stays "
+                f"padded, and trainer.batch_size counts prompts")
+
     @classmethod
     def dataset(cls, examples: list) -> Any:
         from .prompts import PromptDataset
@@ -113,6 +123,10 @@ class GRPOTask(CausalLMTask):
             from ...models.hf import HFArgs, build_hf
             torch.manual_seed(self.cfg.trainer.seed)
             frozen["reference"] = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer)))
+            if self.cfg.data.pack:  # it scores the same packed rows as the policy
+                from ...models.hf import check_packed_attention, use_packed_attention
+                use_packed_attention(frozen["reference"])
+                check_packed_attention(frozen["reference"])
         return frozen
 
     def memory_probe(self) -> Optional[MemoryProbe]:
@@ -214,6 +228,13 @@ class GRPOTask(CausalLMTask):
 
     def _logps(self, model: nn.Module, b: dict, amp: ContextManager, entropy: bool = False
                ) -> TokenScores:
+        """(N, C) per completion token; on packed rows with data.pack=true (packed_pass.py)."""
+        if self.cfg.data.pack:
+            from .packed_pass import packed_completion_logps
+            return packed_completion_logps(
+                model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
+                b["completion_mask"], self.sampling.temperature, amp, int(self.cfg.max_length),
+                entropy)
         return completion_logps(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
                                 b["completion_mask"], self.sampling.temperature, amp, entropy)
 
