@@ -238,22 +238,36 @@ def check_elastic_batch(batch_size: int, global_batch: int, nproc: int, min_node
             f"{fits}")
 
 
-def check_elastic_layout(pp: int, tp: int, nproc: int, min_nodes: int, max_nodes: int) -> None:
+def check_elastic_layout(pp: int, tp: int, nproc: int, min_nodes: int, max_nodes: int,
+                         cp: int = 1) -> None:
     """An elastic job re-plans its layout for each round's world: refuse, before anything
-    starts, a pipeline (x tensor parallelism) that some node count in the range cannot split
-    into equal stages, naming those counts and what would fit."""
+    starts, a pipeline (x tensor x context parallelism) that some node count in the range cannot
+    split into equal stages or groups, naming those counts and what would fit."""
     import math
-    group = pp * tp  # processes one data-parallel replica spans: all its stages, each TP-split
+    group = pp * tp * cp  # processes one data-parallel replica spans: its stages, each split
     if group == 1:
+        return
+    if pp == 1:  # no stages to re-cut: the CP x TP group must divide every world
+        counts = range(min_nodes, max_nodes + 1)
+        bad = [n for n in counts if (n * nproc) % group]
+        if bad:
+            good = ", ".join(str(n) for n in counts if n not in bad) or "none in the range"
+            raise ConfigError(
+                f"trainer.context_parallel={cp}" + (f" x trainer.tensor_parallel={tp}" if tp > 1
+                                                     else "")
+                + f" needs a world divisible by {group}, but distributed.nnodes={min_nodes}:"
+                f"{max_nodes} allows {', '.join(map(str, bad))} node(s) of {nproc} process(es); "
+                f"keep the node counts that fit ({good}) or set trainer.context_parallel=1")
         return
     counts = range(min_nodes, max_nodes + 1)
     bad = [n for n in counts if (n * nproc) % group]
     if not bad:
         return
     key = f"trainer.pipeline_parallel={pp}" + (f" x trainer.tensor_parallel={tp}" if tp > 1
-                                               else "")
+                                               else "") + (
+        f" x trainer.context_parallel={cp}" if cp > 1 else "")
     good = [n for n in counts if n not in bad]
-    common = math.gcd(*(n * nproc for n in counts)) // tp
+    common = math.gcd(*(n * nproc for n in counts)) // (tp * cp)
     fits = [d for d in range(1, common + 1) if common % d == 0]
     raise ConfigError(
         f"{key} needs a world divisible by {group}, but distributed.nnodes={min_nodes}:"

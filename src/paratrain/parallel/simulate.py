@@ -77,7 +77,8 @@ class Simulated(Estimate):
     @property
     def label(self) -> str:
         """As `candidate_label`, the CP degree after the tensor-parallel one: fsdp+cp4+ac."""
-        if self.cp == 1:
+        if self.cp == 1 or getattr(self.parallelism, "dims", None) is not None \
+                and self.parallelism.dims.cp == self.cp:  # tensor parallelism's names its cp
             return super().label
         recompute = self.activation_checkpointing and not self.parallelism.offloads_to_host
         return f"{self.parallelism.label}+cp{self.cp}" + ("+ac" if recompute else "")

@@ -46,7 +46,10 @@ class TensorParallel(FSDP):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "tp" if self.dims.dp == 1 else f"{self.data.name}+tp"
+        """`tp`, after the data-parallel strategy when there is one, then `+cp` when context
+        parallelism splits the sequences too (fsdp+tp+cp): every dimension above one."""
+        base = "tp" if self.dims.dp == 1 else f"{self.data.name}+tp"
+        return base + ("+cp" if self.dims.cp > 1 else "")
 
     @property
     def sharded(self) -> bool:  # type: ignore[override]
@@ -54,7 +57,9 @@ class TensorParallel(FSDP):
 
     @property
     def label(self) -> str:
-        return f"{self.name}{self.dims.tp}"
+        """e.g. tp2, fsdp+tp4+cp2: the degrees after their dimensions."""
+        base = f"{'tp' if self.dims.dp == 1 else self.data.name + '+tp'}{self.dims.tp}"
+        return base + (f"+cp{self.dims.cp}" if self.dims.cp > 1 else "")
 
     def device_mesh(self, env: DistEnv) -> Any:
         return self.dims.build_mesh(env.device.type)
