@@ -39,10 +39,6 @@ class Parallelism:
         parallelism needs none, or builds its own inside `wrap`). Collective."""
         return None
 
-    def split(self, model: nn.Module, mesh: Any) -> None:
-        """Split layers across devices before anything else wraps them (tensor parallelism,
-        parallel/tensor.py); data parallelism splits nothing."""
-
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
              units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         """The model, wrapped for this parallelism (`units`: the blocks a sharding wraps)."""
@@ -330,19 +326,17 @@ def parallelize(model: nn.Module, parallelism: Parallelism, env: DistEnv, *, pre
                 activation_checkpointing: bool = False, compile: bool = False,
                 wrap: Sequence[type] = (), mesh: Any = None,
                 dims: Optional[ParallelDims] = None) -> nn.Module:
-    """Tensor parallelism -> context parallelism -> activation checkpointing -> compile -> the
-    data-parallel wrapper, in that order (torchtitan's): each step must see the modules the one
-    before made, and the wrapper the final ones. `mesh`: a pipeline stage's, sliced from the
-    run's (pipeline.py); `dims`: the run's sizes, read for the context-parallel dimension."""
+    """Each dimension of `dims` applied in a fixed order (torchtitan's): tensor parallelism ->
+    context parallelism -> activation checkpointing -> compile -> the data-parallel wrapper
+    (FSDP / HSDP, or DDP) that `parallelism` names; each step must see the modules the one
+    before made, and the wrapper the final ones. `dims`: the run's sizes (default: the
+    parallelism's own preset for this world); `mesh`: a pipeline stage's, sliced from the
+    run's (pipeline.py)."""
+    dims = parallelism.layout(env.world_size) if dims is None else dims
     if not parallelism.offloads_to_host:
         model.to(env.device)
-    mesh = parallelism.device_mesh(env) if mesh is None else mesh
-    parallelism.split(model, mesh)
-    if dims is not None and dims.cp > 1:
-        from .context import apply_context_parallel
-        has_cp = mesh is not None and "cp" in (mesh.mesh_dim_names or ())
-        apply_context_parallel(model, (mesh if has_cp else
-                                       dims.build_mesh(env.device.type))["cp"])
+    mesh = parallelism.device_mesh(env) if mesh is None else mesh  # what the wrapper spans
+    _split(model, dims, mesh, env)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
@@ -351,16 +345,35 @@ def parallelize(model: nn.Module, parallelism: Parallelism, env: DistEnv, *, pre
                             mesh=mesh)
 
 
+def _split(model: nn.Module, dims: ParallelDims, mesh: Any, env: DistEnv) -> None:
+    """The dimensions that split the model itself, each on its dimension of the run's one mesh
+    (`mesh` when it names them, else the one built from `dims`): TP, then CP."""
+    split = [n for n in ("tp", "cp") if getattr(dims, n) > 1]
+    if not split:
+        return
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    named = mesh if all(n in names for n in split) else dims.build_mesh(env.device.type)
+    if dims.tp > 1:
+        from .tensor import split_tensor_parallel
+        split_tensor_parallel(model, named["tp"])
+    if dims.cp > 1:
+        from .context import apply_context_parallel
+        apply_context_parallel(model, named["cp"])
+
+
 def parallelize_frozen(model: nn.Module, parallelism: Parallelism, env: DistEnv, *,
                        precision: str, wrap: Sequence[type] = ()) -> nn.Module:
-    """A model the task runs without training it: no gradients, evaluation mode, placed and
-    (for sharding strategies) sharded by the same parallelism as the trained model."""
+    """A model the task runs without training it: no gradients, evaluation mode, placed,
+    split by tensor parallelism and (for sharding strategies) sharded as the trained model."""
     model.requires_grad_(False)
     model.eval()
     if not parallelism.offloads_to_host:
         model.to(env.device)
     mesh = parallelism.device_mesh(env)
-    parallelism.split(model, mesh)
+    dims = parallelism.layout(env.world_size)
+    if dims.tp > 1:  # (context parallelism is the loop's: a frozen model runs whole sequences)
+        from .tensor import split_tensor_parallel
+        split_tensor_parallel(model, mesh["tp"])
     return parallelism.wrap_frozen(model, env, precision=precision,
                                    units=shard_units(model, wrap), mesh=mesh)
 

@@ -64,13 +64,6 @@ class TensorParallel(FSDP):
     def device_mesh(self, env: DistEnv) -> Any:
         return self.dims.build_mesh(env.device.type)
 
-    def split(self, model: nn.Module, mesh: Any) -> None:
-        apply_tensor_parallel(model, mesh["tp"])
-        # The logits come out of the gathered head as a view of the DTensor's local tensor;
-        # FSDP2 warns about any view a root returns, for in-place ops the loop never does.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view",
-                                category=UserWarning)
-
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
              units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         return super().wrap(model, env, precision=precision, units=units,
@@ -128,6 +121,16 @@ def resolve_tensor_parallel(requested: str, tp: int, *, world_size: int, local_w
 
 
 # ---- the plans ----------------------------------------------------------------------------------
+def split_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
+    """The tensor-parallel step of `parallelize` (strategies.py), first of the fixed order: the
+    model split over the `tp` dimension of the run's mesh by its plan."""
+    apply_tensor_parallel(model, tp_mesh)
+    # The logits come out of the gathered head as a view of the DTensor's local tensor;
+    # FSDP2 warns about any view a root returns, for in-place ops the loop never does.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view",
+                            category=UserWarning)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
     """Split `model` over the 1-D `tp_mesh` by its plan (ours, the Hugging Face model's own
     `base_model_tp_plan`, or a `tp_plan` the module gives), then replicate over the mesh every
