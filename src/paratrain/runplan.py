@@ -21,9 +21,10 @@ from .errors import ConfigError, DataError
 from .parallel.dims import ParallelDims
 from .parallel.memory_estimate import Choice, Estimate, choose, device_capacity, estimate, \
     pipeline_estimate
-from .parallel.pipeline import PipelineParallel, check_schedule, resolve_pipeline_parallel
-from .parallel.strategies import Parallelism, resolve_parallelism
-from .parallel.tensor import check_tp_plan, resolve_tensor_parallel
+from .parallel.layout import resolve_layout
+from .parallel.pipeline import check_schedule, resolve_pipeline_parallel
+from .parallel.strategies import Parallelism
+from .parallel.tensor import check_tp_plan
 from .tasks.base import Task
 
 
@@ -65,31 +66,13 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     from .records import loggers
     tr = cfg.trainer
     devices = list(devices)
-    if choice is not None and isinstance(choice.parallelism, PipelineParallel):
-        parallelism, why = choice.parallelism, choice.why  # auto's last resort (`auto_choice`)
-    elif tr.pipeline_parallel > 1:
-        parallelism, why = resolve_pipeline_parallel(
-            tr.strategy, tr.pipeline_parallel, schedule=tr.pipeline_schedule,
-            split=tr.pipeline_split, num_layers=pipeline_blocks(task, tr.pipeline_parallel),
-            world_size=world_size, local_world_size=local_world_size, device=devices[0],
-            tp=tr.tensor_parallel, reshard_after_forward=tr.reshard_after_forward,
-            shard_group_size=tr.shard_group_size)
-    elif tr.tensor_parallel > 1:
-        parallelism, why = resolve_tensor_parallel(
-            tr.strategy, tr.tensor_parallel, world_size=world_size,
-            local_world_size=local_world_size, device=devices[0],
-            reshard_after_forward=tr.reshard_after_forward, shard_group_size=tr.shard_group_size,
-            cp=tr.context_parallel)
+    layout = resolve_layout(tr, world_size=world_size, local_world_size=local_world_size,
+                            device=devices[0], planned=choice, num_layers=pipeline_blocks(
+                                task, tr.pipeline_parallel) if tr.pipeline_parallel > 1 else None)
+    parallelism, why, dims = layout.parallelism, layout.why, layout.dims
+    if tr.tensor_parallel > 1 and dims.pp == 1:
         check_tp_plan(task, tr.tensor_parallel)
-    else:
-        parallelism, why = resolve_parallelism(
-            tr.strategy, world_size=world_size, local_world_size=local_world_size,
-            device=devices[0], cpu_offload=tr.cpu_offload,
-            reshard_after_forward=tr.reshard_after_forward, shard_group_size=tr.shard_group_size,
-            planned=(choice.parallelism, choice.why) if choice is not None else None)
     check_context_task(task, tr.context_parallel)
-    # the strategy's sizes, with trainer.context_parallel of its data-parallel ranks as CP groups
-    dims = parallelism.layout(world_size).with_context(tr.context_parallel)
     check_precision(tr.precision, devices[0])
     loggers.check_log_config(cfg.log)  # log.wandb=true without wandb: say so now
     replicas = parallelism.replicas_per_process(len(devices))
