@@ -36,12 +36,12 @@ from .context import SimulatedShard, set_context
 from .fake_world import fake_world
 from .memory import SavedTensorMeter, local_bytes
 from .memory_estimate import MARGIN, Choice, Estimate, choose, layout_keys
+from .parallelize import apply_activation_checkpointing, parallelize
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .pipeline_schedules import in_flight
 from .simulate_context import context_layouts, context_line, context_traffic, fused_attention
-from .strategies import Parallelism, apply_activation_checkpointing, parallelize, \
-    resolve_parallelism
+from .strategies import Parallelism, resolve_parallelism
 from .tensor import resolve_tensor_parallel, split_tensor_parallel
 from .traffic import COLLECTIVES, data_parallel_traffic, gathered_element_bytes, sent_bytes
 

@@ -5,9 +5,9 @@ A parallelism knows how to wrap a model, how to skip gradient sync on the accumu
 before the last one (Fabric's per-strategy backward-sync control), which autocast and gradient
 scaler it needs, and what share of the parameters, gradients and optimizer state one rank holds
 (the memory plan and `bench` count with it). Adding one is one class here, plus its device mesh
-(HSDP is FSDP on a 2-D mesh; tensor parallelism, parallel/tensor.py, FSDP on a 3-D one). Tensor
-parallelism, activation checkpointing and compile are applied before the wrapper, in that order,
-as torchtitan's `parallelize` composes them (`parallelize` below).
+(HSDP is FSDP on a 2-D mesh; tensor parallelism, parallel/tensor.py, FSDP on a 3-D one). The
+dimensions that split the model (TP, CP), activation checkpointing and compile are applied
+before the wrapper, in that order, by parallel/parallelize.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from torch import nn
 
 from ..dist import DistEnv
 from ..errors import ConfigError
-from .blocks import block_lists, shard_units
 from .dims import ParallelDims, mesh_device_type
 from .precision import mixed_dtype
 
@@ -319,78 +318,3 @@ def resolve_parallelism(requested: str, *, world_size: int, local_world_size: in
 def processes_per_node(requested: str, devices: int) -> int:
     """nn.DataParallel drives all of a node's GPUs from one process; the others take one each."""
     return 1 if requested == "dp" else devices
-
-
-# ---- composing the wrappers ---------------------------------------------------------------------
-def parallelize(model: nn.Module, parallelism: Parallelism, env: DistEnv, *, precision: str,
-                activation_checkpointing: bool = False, compile: bool = False,
-                wrap: Sequence[type] = (), mesh: Any = None,
-                dims: Optional[ParallelDims] = None) -> nn.Module:
-    """Each dimension of `dims` applied in a fixed order (torchtitan's): tensor parallelism ->
-    context parallelism -> activation checkpointing -> compile -> the data-parallel wrapper
-    (FSDP / HSDP, or DDP) that `parallelism` names; each step must see the modules the one
-    before made, and the wrapper the final ones. `dims`: the run's sizes (default: the
-    parallelism's own preset for this world); `mesh`: a pipeline stage's, sliced from the
-    run's (pipeline.py)."""
-    dims = parallelism.layout(env.world_size) if dims is None else dims
-    if not parallelism.offloads_to_host:
-        model.to(env.device)
-    mesh = parallelism.device_mesh(env) if mesh is None else mesh  # what the wrapper spans
-    _split(model, dims, mesh, env)
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if compile:
-        apply_compile(model)
-    return parallelism.wrap(model, env, precision=precision, units=shard_units(model, wrap),
-                            mesh=mesh)
-
-
-def _split(model: nn.Module, dims: ParallelDims, mesh: Any, env: DistEnv) -> None:
-    """The dimensions that split the model itself, each on its dimension of the run's one mesh
-    (`mesh` when it names them, else the one built from `dims`): TP, then CP."""
-    split = [n for n in ("tp", "cp") if getattr(dims, n) > 1]
-    if not split:
-        return
-    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-    named = mesh if all(n in names for n in split) else dims.build_mesh(env.device.type)
-    if dims.tp > 1:
-        from .tensor import split_tensor_parallel
-        split_tensor_parallel(model, named["tp"])
-    if dims.cp > 1:
-        from .context import apply_context_parallel
-        apply_context_parallel(model, named["cp"])
-
-
-def parallelize_frozen(model: nn.Module, parallelism: Parallelism, env: DistEnv, *,
-                       precision: str, wrap: Sequence[type] = ()) -> nn.Module:
-    """A model the task runs without training it: no gradients, evaluation mode, placed,
-    split by tensor parallelism and (for sharding strategies) sharded as the trained model."""
-    model.requires_grad_(False)
-    model.eval()
-    if not parallelism.offloads_to_host:
-        model.to(env.device)
-    mesh = parallelism.device_mesh(env)
-    dims = parallelism.layout(env.world_size)
-    if dims.tp > 1:  # (context parallelism is the loop's: a frozen model runs whole sequences)
-        from .tensor import split_tensor_parallel
-        split_tensor_parallel(model, mesh["tp"])
-    return parallelism.wrap_frozen(model, env, precision=precision,
-                                   units=shard_units(model, wrap), mesh=mesh)
-
-
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute every transformer block in backward (non-reentrant): activations of one block
-    at a time instead of all of them."""
-    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac
-    for layers in block_lists(model):  # a list, or a pipeline stage's dict (pipeline.py)
-        for i, block in layers.named_children():
-            layers.register_module(i, ac.checkpoint_wrapper(
-                block, checkpoint_impl=ac.CheckpointImpl.NO_REENTRANT))
-
-
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block separately: the blocks are identical, so one compiled graph is reused
-    and the compile time stays that of one block."""
-    for layers in block_lists(model):
-        for i, block in layers.named_children():
-            layers.register_module(i, torch.compile(block))
