@@ -37,23 +37,30 @@ DP2_CP2 = {**CP2, "trainer.devices": "cpu:4", "trainer.batch_size": 2,
 TP2_CP2 = {**CP2, "trainer.devices": "cpu:4", "trainer.tensor_parallel": 2}
 
 
-@pytest.mark.parametrize("arch,cp", [("llama", 2), ("llama", 4), ("gpt", 2)])
-def test_gradients_of_a_micro_batch_match_one_process(tmp_path, arch, cp):
-    model = _cp_workers.tiny_model(arch, SEQ)
-    ids, targets = _cp_workers.batch(SEQ)
-    loss, want = _cp_workers.loss_and_grads(model, ids, targets, ids.numel())
+GRADIENT_CASES = [("llama", 2), ("llama", 4), ("gpt", 2)]  # (arch, CP degree)
+
+
+def test_gradients_of_a_micro_batch_match_one_process(tmp_path):
+    """Every case in one spawn of 4 processes (CP=2 as two groups of 2)."""
     out = str(tmp_path / "cp.pt")
-    ctx = mp.start_processes(_cp_workers.context_gradients, nprocs=cp, join=False,
-                             args=(cp, free_port(), arch, SEQ, out), start_method="spawn")
+    ctx = mp.start_processes(_cp_workers.context_gradients, nprocs=4, join=False,
+                             args=(4, free_port(), GRADIENT_CASES, SEQ, out),
+                             start_method="spawn")
     deadline = time.monotonic() + 300
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):  # one process at a time
         assert time.monotonic() < deadline, "CP workers did not finish in time"
     got = torch.load(out, weights_only=True)
-    assert abs(float(got["loss"]) - float(loss)) < 1e-6
-    assert got["grads"].keys() == want.keys()
-    for name, g in want.items():
-        torch.testing.assert_close(got["grads"][name], g, rtol=0, atol=1e-5, msg=name)
-    assert max(g.abs().max() for g in want.values()) > 1e-3  # the check had gradients to see
+    ids, targets = _cp_workers.batch(SEQ)
+    for arch, cp in GRADIENT_CASES:
+        loss, want = _cp_workers.loss_and_grads(_cp_workers.tiny_model(arch, SEQ), ids, targets,
+                                                ids.numel())
+        case = got[f"{arch}-{cp}"]
+        assert abs(float(case["loss"]) - float(loss)) < 1e-6, (arch, cp)
+        assert case["grads"].keys() == want.keys()
+        for name, g in want.items():
+            torch.testing.assert_close(case["grads"][name], g, rtol=0, atol=1e-5,
+                                       msg=f"{arch} cp={cp} {name}")
+        assert max(g.abs().max() for g in want.values()) > 1e-3  # the check had gradients to see
 
 
 def _ref(request, layout: dict):
