@@ -21,9 +21,10 @@ from .errors import ConfigError, DataError
 from .parallel.dims import ParallelDims
 from .parallel.memory_estimate import Choice, Estimate, choose, device_capacity, estimate, \
     pipeline_estimate
-from .parallel.pipeline import PipelineParallel, check_schedule, resolve_pipeline_parallel
-from .parallel.strategies import Parallelism, resolve_parallelism
-from .parallel.tensor import check_tp_plan, resolve_tensor_parallel
+from .parallel.layout import resolve_layout
+from .parallel.pipeline import check_schedule, resolve_pipeline_parallel
+from .parallel.strategies import Parallelism
+from .parallel.tensor import check_tp_plan
 from .tasks.base import Task
 
 
@@ -65,31 +66,13 @@ def make_plan(cfg: TrainConfig, task: Task, *, devices: Sequence[torch.device],
     from .records import loggers
     tr = cfg.trainer
     devices = list(devices)
-    if choice is not None and isinstance(choice.parallelism, PipelineParallel):
-        parallelism, why = choice.parallelism, choice.why  # auto's last resort (`auto_choice`)
-    elif tr.pipeline_parallel > 1:
-        parallelism, why = resolve_pipeline_parallel(
-            tr.strategy, tr.pipeline_parallel, schedule=tr.pipeline_schedule,
-            split=tr.pipeline_split, num_layers=pipeline_blocks(task, tr.pipeline_parallel),
-            world_size=world_size, local_world_size=local_world_size, device=devices[0],
-            tp=tr.tensor_parallel, reshard_after_forward=tr.reshard_after_forward,
-            shard_group_size=tr.shard_group_size)
-    elif tr.tensor_parallel > 1:
-        parallelism, why = resolve_tensor_parallel(
-            tr.strategy, tr.tensor_parallel, world_size=world_size,
-            local_world_size=local_world_size, device=devices[0],
-            reshard_after_forward=tr.reshard_after_forward, shard_group_size=tr.shard_group_size,
-            cp=tr.context_parallel)
+    layout = resolve_layout(tr, world_size=world_size, local_world_size=local_world_size,
+                            device=devices[0], planned=choice, num_layers=pipeline_blocks(
+                                task, tr.pipeline_parallel) if tr.pipeline_parallel > 1 else None)
+    parallelism, why, dims = layout.parallelism, layout.why, layout.dims
+    if tr.tensor_parallel > 1 and dims.pp == 1:
         check_tp_plan(task, tr.tensor_parallel)
-    else:
-        parallelism, why = resolve_parallelism(
-            tr.strategy, world_size=world_size, local_world_size=local_world_size,
-            device=devices[0], cpu_offload=tr.cpu_offload,
-            reshard_after_forward=tr.reshard_after_forward, shard_group_size=tr.shard_group_size,
-            planned=(choice.parallelism, choice.why) if choice is not None else None)
     check_context_task(task, tr.context_parallel)
-    # the strategy's sizes, with trainer.context_parallel of its data-parallel ranks as CP groups
-    dims = parallelism.layout(world_size).with_context(tr.context_parallel)
     check_precision(tr.precision, devices[0])
     loggers.check_log_config(cfg.log)  # log.wandb=true without wandb: say so now
     replicas = parallelism.replicas_per_process(len(devices))
@@ -238,22 +221,36 @@ def check_elastic_batch(batch_size: int, global_batch: int, nproc: int, min_node
             f"{fits}")
 
 
-def check_elastic_layout(pp: int, tp: int, nproc: int, min_nodes: int, max_nodes: int) -> None:
+def check_elastic_layout(pp: int, tp: int, nproc: int, min_nodes: int, max_nodes: int,
+                         cp: int = 1) -> None:
     """An elastic job re-plans its layout for each round's world: refuse, before anything
-    starts, a pipeline (x tensor parallelism) that some node count in the range cannot split
-    into equal stages, naming those counts and what would fit."""
+    starts, a pipeline (x tensor x context parallelism) that some node count in the range cannot
+    split into equal stages or groups, naming those counts and what would fit."""
     import math
-    group = pp * tp  # processes one data-parallel replica spans: all its stages, each TP-split
+    group = pp * tp * cp  # processes one data-parallel replica spans: its stages, each split
     if group == 1:
+        return
+    if pp == 1:  # no stages to re-cut: the CP x TP group must divide every world
+        counts = range(min_nodes, max_nodes + 1)
+        bad = [n for n in counts if (n * nproc) % group]
+        if bad:
+            good = ", ".join(str(n) for n in counts if n not in bad) or "none in the range"
+            raise ConfigError(
+                f"trainer.context_parallel={cp}" + (f" x trainer.tensor_parallel={tp}" if tp > 1
+                                                     else "")
+                + f" needs a world divisible by {group}, but distributed.nnodes={min_nodes}:"
+                f"{max_nodes} allows {', '.join(map(str, bad))} node(s) of {nproc} process(es); "
+                f"keep the node counts that fit ({good}) or set trainer.context_parallel=1")
         return
     counts = range(min_nodes, max_nodes + 1)
     bad = [n for n in counts if (n * nproc) % group]
     if not bad:
         return
     key = f"trainer.pipeline_parallel={pp}" + (f" x trainer.tensor_parallel={tp}" if tp > 1
-                                               else "")
+                                               else "") + (
+        f" x trainer.context_parallel={cp}" if cp > 1 else "")
     good = [n for n in counts if n not in bad]
-    common = math.gcd(*(n * nproc for n in counts)) // tp
+    common = math.gcd(*(n * nproc for n in counts)) // (tp * cp)
     fits = [d for d in range(1, common + 1) if common % d == 0]
     raise ConfigError(
         f"{key} needs a world divisible by {group}, but distributed.nnodes={min_nodes}:"

@@ -210,7 +210,7 @@ class Trainer:
             check_elastic_batch(cfg.trainer.batch_size, cfg.trainer.global_batch_size, nproc,
                                 d.min_nodes, d.max_nodes)  # and the same pipeline stages
             check_elastic_layout(cfg.trainer.pipeline_parallel, cfg.trainer.tensor_parallel,
-                                 nproc, d.min_nodes, d.max_nodes)
+                                 nproc, d.min_nodes, d.max_nodes, cp=cfg.trainer.context_parallel)
         if nproc == 1 and d.max_nodes == 1:  # one process: train right here
             env = DistEnv.single(devices[0])
             task = prepare_task(cfg, env, self.given)

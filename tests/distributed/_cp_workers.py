@@ -34,9 +34,11 @@ def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Ten
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def context_gradients(rank: int, world: int, port: int, arch: str, seq: int, out: str) -> None:
-    """Rank `rank` of a CP group of `world`: its chunks' loss and the gradients, summed over the
-    group (what the data-parallel wrapper does), saved by rank 0."""
+def context_gradients(rank: int, world: int, port: int, cases: list, seq: int, out: str) -> None:
+    """Rank `rank` of `world`, for each (arch, cp) of `cases`: a CP group of cp consecutive
+    ranks (world / cp such groups, each computing the same), its chunks' loss and gradients
+    summed over the group (what the data-parallel wrapper does); rank 0 saves them by
+    `arch-cp`. One spawn for every case: the processes' start is most of the test's time."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -45,15 +47,18 @@ def context_gradients(rank: int, world: int, port: int, arch: str, seq: int, out
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = tiny_model(arch, seq)
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        apply_context_parallel(model, mesh["cp"])
-        split = SequenceSplit(world, rank)
-        ids, targets = (x.index_select(1, split.indices(seq)) for x in batch(seq))
-        loss, grads = loss_and_grads(model, ids, targets, 2 * seq)
-        for g in [loss, *grads.values()]:
-            dist.all_reduce(g)
+        got = {}
+        for arch, cp in cases:
+            model = tiny_model(arch, seq)
+            mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("groups", "cp"))
+            apply_context_parallel(model, mesh["cp"])
+            split = SequenceSplit(cp, mesh["cp"].get_local_rank())
+            ids, targets = (x.index_select(1, split.indices(seq)) for x in batch(seq))
+            loss, grads = loss_and_grads(model, ids, targets, 2 * seq)
+            for g in [loss, *grads.values()]:
+                dist.all_reduce(g, group=mesh["cp"].get_group())
+            got[f"{arch}-{cp}"] = {"loss": loss, "grads": grads}
         if rank == 0:
-            torch.save({"loss": loss, "grads": grads}, out)
+            torch.save(got, out)
     finally:
         dist.destroy_process_group()

@@ -10,7 +10,8 @@ import torch
 from paratrain.dist import DistEnv
 from paratrain.models import build_model
 from paratrain.config.presets import ModelArgs
-from paratrain.parallel.strategies import DDP, parallelize
+from paratrain.parallel.parallelize import parallelize
+from paratrain.parallel.strategies import DDP
 
 
 def ddp_replicas(rank: int, world: int, port: int, result_path: str) -> None:

@@ -1,8 +1,10 @@
 """Context parallelism with real gloo workers, fp32, against one process on the same global batch:
 the gradients of one micro-batch (CP=2 and 4, Llama and GPT), then whole runs by the CLI (10
 steps of 512-token windows, which the head-tail split cuts into 4 or 8 chunks): CP=2, CP=4,
-dp 2 x cp 2 and tp 2 x cp 2 within 1e-5 per step; a CP run cut after step 4 and resumed is
-bit-identical, and resumed on one process within 1e-6. Every run is a session-cached one."""
+dp 2 x cp 2 and tp 2 x cp 2 within 1e-5 per step of one process that accumulates the same
+global batch as 2 micro-batches; a CP run SIGKILLed after a committed snapshot and started again
+is bit-identical, and a CP snapshot resumed on one process within 1e-6. Every run but the
+killed one is a session-cached one."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import torch.multiprocessing as mp
 from paratrain.launch.environment import free_port
 from tests.conftest import read_metrics, read_summary, run_cli
 from tests.distributed import _cp_workers
-from tests.distributed._snapshot_helpers import assert_bit_identical, interrupted_copy, \
-    reference_run, samples, weights
+from tests.distributed._snapshot_helpers import args_for, assert_bit_identical, \
+    committed_steps, interrupted_copy, kill_job, reference_run, samples, start_cli, wait_for, \
+    weights
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -24,7 +27,8 @@ SEQ = 512
 # 10 steps of 4 windows of 512 tokens; a snapshot every 4 steps
 CP_BASE = {"data.seq_length": SEQ, "trainer.max_steps": 10, "trainer.global_batch_size": 4,
            "trainer.eval_samples": 6, "checkpoint.every_steps": 4}
-ONE = {**CP_BASE, "trainer.devices": "cpu:1", "trainer.batch_size": 4}
+# the one process accumulates: 2 micro-batches of 2 windows make the same global batch of 4
+ONE = {**CP_BASE, "trainer.devices": "cpu:1", "trainer.batch_size": 2}
 CP2 = {**CP_BASE, "trainer.devices": "cpu:2", "trainer.batch_size": 4,
        "trainer.context_parallel": 2}
 CP4 = {**CP2, "trainer.devices": "cpu:4", "trainer.context_parallel": 4}
@@ -33,23 +37,30 @@ DP2_CP2 = {**CP2, "trainer.devices": "cpu:4", "trainer.batch_size": 2,
 TP2_CP2 = {**CP2, "trainer.devices": "cpu:4", "trainer.tensor_parallel": 2}
 
 
-@pytest.mark.parametrize("arch,cp", [("llama", 2), ("llama", 4), ("gpt", 2)])
-def test_gradients_of_a_micro_batch_match_one_process(tmp_path, arch, cp):
-    model = _cp_workers.tiny_model(arch, SEQ)
-    ids, targets = _cp_workers.batch(SEQ)
-    loss, want = _cp_workers.loss_and_grads(model, ids, targets, ids.numel())
+GRADIENT_CASES = [("llama", 2), ("llama", 4), ("gpt", 2)]  # (arch, CP degree)
+
+
+def test_gradients_of_a_micro_batch_match_one_process(tmp_path):
+    """Every case in one spawn of 4 processes (CP=2 as two groups of 2)."""
     out = str(tmp_path / "cp.pt")
-    ctx = mp.start_processes(_cp_workers.context_gradients, nprocs=cp, join=False,
-                             args=(cp, free_port(), arch, SEQ, out), start_method="spawn")
+    ctx = mp.start_processes(_cp_workers.context_gradients, nprocs=4, join=False,
+                             args=(4, free_port(), GRADIENT_CASES, SEQ, out),
+                             start_method="spawn")
     deadline = time.monotonic() + 300
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):  # one process at a time
         assert time.monotonic() < deadline, "CP workers did not finish in time"
     got = torch.load(out, weights_only=True)
-    assert abs(float(got["loss"]) - float(loss)) < 1e-6
-    assert got["grads"].keys() == want.keys()
-    for name, g in want.items():
-        torch.testing.assert_close(got["grads"][name], g, rtol=0, atol=1e-5, msg=name)
-    assert max(g.abs().max() for g in want.values()) > 1e-3  # the check had gradients to see
+    ids, targets = _cp_workers.batch(SEQ)
+    for arch, cp in GRADIENT_CASES:
+        loss, want = _cp_workers.loss_and_grads(_cp_workers.tiny_model(arch, SEQ), ids, targets,
+                                                ids.numel())
+        case = got[f"{arch}-{cp}"]
+        assert abs(float(case["loss"]) - float(loss)) < 1e-6, (arch, cp)
+        assert case["grads"].keys() == want.keys()
+        for name, g in want.items():
+            torch.testing.assert_close(case["grads"][name], g, rtol=0, atol=1e-5,
+                                       msg=f"{arch} cp={cp} {name}")
+        assert max(g.abs().max() for g in want.values()) > 1e-3  # the check had gradients to see
 
 
 def _ref(request, layout: dict):
@@ -96,9 +107,23 @@ def _resume(request, tmp_path, source, layout: dict, name: str):
     return run
 
 
-def test_a_cut_cp_run_resumes_bit_identical(request, tmp_path):
+def test_a_killed_cp_run_started_again_resumes_bit_identical(request, tmp_path):
+    """A real CP=2 job SIGKILLed (launcher and workers at once) once a snapshot has committed;
+    the same command again resumes from it and ends bit-identical with the uninterrupted run."""
     source = _ref(request, CP2)
-    assert_bit_identical(_resume(request, tmp_path, source, CP2, "again"), source)
+    f = request.getfixturevalue
+    args = args_for(f("corpus_dir"), f("cache_dir"), "killed", **CP2)
+    run_dir = tmp_path / "runs" / "killed"
+    proc = start_cli(args, tmp_path)
+    wait_for(lambda: committed_steps(run_dir / "checkpoints"), proc, timeout=600,
+             what="a committed snapshot")
+    kill_job(proc)
+    newest = committed_steps(run_dir / "checkpoints")[-1]
+    assert not (run_dir / "summary.json").exists()
+    r = run_cli(args, cwd=tmp_path, timeout=300)  # the same command again
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from step {newest} " in r.stderr
+    assert_bit_identical(run_dir, source)
 
 
 def test_a_cp2_snapshot_resumes_on_one_process(request, tmp_path):

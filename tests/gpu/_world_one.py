@@ -20,7 +20,8 @@ from paratrain.launch.environment import free_port
 from paratrain.models import build_model
 from paratrain.models.presets import ModelArgs
 from paratrain.parallel.precision import prepare_model
-from paratrain.parallel.strategies import DDP, FSDP, Parallelism, parallelize
+from paratrain.parallel.parallelize import parallelize
+from paratrain.parallel.strategies import DDP, FSDP, Parallelism
 from paratrain.runtime.optim import build_optimizer
 
 ARGS = ModelArgs(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -119,3 +119,19 @@ def test_the_plan_proposes_cp_for_a_sequence_that_fits_no_other_layout():
     assert abs((cp8 - mask) * 8 / by["fsdp+ac"].activation_bytes - 1) < 0.05
     assert ("a sequence of 131072 tokens fits no layout without context parallelism; fsdp+cp4+ac "
             "fits") in text and "trainer.context_parallel=4" in text
+
+
+def test_the_tp_x_cp_layout_names_both_and_an_elastic_range_must_fit_its_groups():
+    from paratrain.parallel.strategies import FSDP
+    from paratrain.parallel.tensor import TensorParallel
+    from paratrain.runplan import check_elastic_layout
+    both = TensorParallel(dims=ParallelDims(1, 1, 2, cp=2))
+    assert (both.name, both.label) == ("tp+cp", "tp2+cp2")
+    data = TensorParallel(dims=ParallelDims(1, 2, 2, cp=2), data=FSDP())
+    assert (data.name, data.label) == ("fsdp+tp+cp", "fsdp+tp2+cp2")
+    assert TensorParallel(dims=ParallelDims(1, 1, 2)).label == "tp2"  # without CP as before
+    check_elastic_layout(1, 1, 2, 1, 4, cp=2)  # 2 processes per node: every world is even
+    with pytest.raises(ConfigError, match=r"^trainer.context_parallel=2 needs a world divisible "
+                                          r"by 2, but distributed.nnodes=1:3 allows 1, 3 node"
+                                          r".*keep the node counts that fit \(2\)"):
+        check_elastic_layout(1, 1, 1, 1, 3, cp=2)

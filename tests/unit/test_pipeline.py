@@ -123,7 +123,7 @@ def test_a_hugging_face_or_users_model_is_refused(hf_llama):
 @pytest.mark.parametrize("arch, checkpointing", [("llama", False), ("gpt", False),
                                                   ("llama", True)])
 def test_stages_in_a_row_are_the_model_under_its_names(arch, checkpointing):
-    from paratrain.parallel.strategies import apply_activation_checkpointing
+    from paratrain.parallel.parallelize import apply_activation_checkpointing
     cfg = TrainConfig.from_yaml(None, [f"model.arch={arch}", "model.preset=tiny",
                                        "model.num_layers=3", "model.tie_embeddings=false"])
     torch.manual_seed(0)

@@ -17,7 +17,8 @@ from paratrain.models import build_model, resolve_model_config
 from paratrain.parallel.dims import ParallelDims, check_tensor_parallel
 from paratrain.parallel.fake_world import fake_world
 from paratrain.parallel.strategies import DDP, FSDP, HSDP, Parallelism
-from paratrain.parallel.tensor import TensorParallel, check_tp_plan, resolve_tensor_parallel
+from paratrain.parallel.tensor import TensorParallel, check_tp_plan, resolve_tensor_parallel, \
+    split_tensor_parallel
 from tests.conftest import cli_error
 
 CPU = torch.device("cpu")
@@ -142,7 +143,7 @@ def _split(model: nn.Module, world: int = 2) -> tuple[nn.Module, dict]:
     tp = TensorParallel(dims=ParallelDims(tp=world))
     env = DistEnv(world_size=world, local_world_size=world)
     mesh = tp.device_mesh(env)
-    tp.split(model, mesh)
+    split_tensor_parallel(model, mesh["tp"])
     params = dict(model.named_parameters())
     assert all(isinstance(p.data, DTensor) and p.device_mesh == mesh["tp"]
                for p in params.values()), "a parameter is not on the TP mesh"

@@ -90,7 +90,7 @@ def state_bytes(params: List[torch.Size], parallelism: Parallelism, world: int,
 def activation_bytes_per_sample(factory: Callable[[], nn.Module], seq_length: int,
                                 vocab_size: int, precision: str, checkpointing: bool) -> int:
     """Bytes saved for backward by one sample's forward (and loss), measured on the CPU."""
-    from .strategies import apply_activation_checkpointing
+    from .parallelize import apply_activation_checkpointing
     model = _cpu_model(factory, precision)
     if checkpointing:
         apply_activation_checkpointing(model)

@@ -45,7 +45,8 @@ from ..errors import ConfigError
 from ..models.attention import WHOLE
 from .dims import ParallelDims, check_pipeline_parallel
 from .pipeline_schedules import schedule_class
-from .strategies import FSDP, Parallelism, parallelize, resolve_parallelism
+from .parallelize import parallelize
+from .strategies import FSDP, Parallelism, resolve_parallelism
 from .tensor import builtin_plan, resolve_tensor_parallel
 
 

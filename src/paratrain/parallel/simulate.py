@@ -36,13 +36,13 @@ from .context import SimulatedShard, set_context
 from .fake_world import fake_world
 from .memory import SavedTensorMeter, local_bytes
 from .memory_estimate import MARGIN, Choice, Estimate, choose, layout_keys
+from .parallelize import apply_activation_checkpointing, parallelize
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .pipeline_schedules import in_flight
 from .simulate_context import context_layouts, context_line, context_traffic, fused_attention
-from .strategies import Parallelism, apply_activation_checkpointing, parallelize, \
-    resolve_parallelism
-from .tensor import resolve_tensor_parallel
+from .strategies import Parallelism, resolve_parallelism
+from .tensor import resolve_tensor_parallel, split_tensor_parallel
 from .traffic import COLLECTIVES, data_parallel_traffic, gathered_element_bytes, sent_bytes
 
 META = torch.device("meta")
@@ -194,8 +194,7 @@ def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
     """Rank 0 of a pipeline: its stages' part (the embedding and their blocks) parallelized as
     training does it (`parallelize_part`: FSDP shards, TP splits), one micro-batch's saved
     activations times the micro-batches its schedule keeps in flight
-    (pipeline_schedules.in_flight), the activations it sends on,
-    its data parallelism's traffic."""
+    (pipeline_schedules.in_flight), the activations it sends on, its data parallelism's traffic."""
     dims, stages = pipeline.dims, pipeline.stages_of(0)
     blocks = sum(len(pipeline.blocks_of(s)) for s in stages)
     last = len(pipeline.split) - 1 in stages
@@ -206,7 +205,8 @@ def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
         pipeline.parallelize_part(run_part, _env(target), mesh, precision=work.precision)
         named = dict(run_part.named_parameters())  # as the run holds them
         part = ModelPart(_model(work, blocks, compute=True), range(blocks), first=True, last=last)
-        pipeline.data.split(part, mesh)  # tensor parallelism: the stream split by sequence
+        if dims.tp > 1:  # tensor parallelism: the stream split by sequence
+            split_tensor_parallel(part, mesh["tp"])
         if ac:
             apply_activation_checkpointing(part)
         with SavedTensorMeter(part) as meter:
@@ -300,7 +300,7 @@ def _activations(work: Workload, blocks: int, tensor: Optional[Parallelism], tar
         group_size = 1
         if tensor is not None:
             mesh = tensor.device_mesh(_env(target))
-            tensor.split(model, mesh)
+            split_tensor_parallel(model, mesh["tp"])
             group_size = mesh["tp"].size()
         if cp > 1:
             set_context(model, SimulatedShard(cp))

@@ -5,9 +5,9 @@ A parallelism knows how to wrap a model, how to skip gradient sync on the accumu
 before the last one (Fabric's per-strategy backward-sync control), which autocast and gradient
 scaler it needs, and what share of the parameters, gradients and optimizer state one rank holds
 (the memory plan and `bench` count with it). Adding one is one class here, plus its device mesh
-(HSDP is FSDP on a 2-D mesh; tensor parallelism, parallel/tensor.py, FSDP on a 3-D one). Tensor
-parallelism, activation checkpointing and compile are applied before the wrapper, in that order,
-as torchtitan's `parallelize` composes them (`parallelize` below).
+(HSDP is FSDP on a 2-D mesh; tensor parallelism, parallel/tensor.py, FSDP on a 3-D one). The
+dimensions that split the model (TP, CP), activation checkpointing and compile are applied
+before the wrapper, in that order, by parallel/parallelize.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from torch import nn
 
 from ..dist import DistEnv
 from ..errors import ConfigError
-from .blocks import block_lists, shard_units
 from .dims import ParallelDims, mesh_device_type
 from .precision import mixed_dtype
 
@@ -38,10 +37,6 @@ class Parallelism:
         """The DeviceMesh that `split` and `wrap` share, built once per model (None: the
         parallelism needs none, or builds its own inside `wrap`). Collective."""
         return None
-
-    def split(self, model: nn.Module, mesh: Any) -> None:
-        """Split layers across devices before anything else wraps them (tensor parallelism,
-        parallel/tensor.py); data parallelism splits nothing."""
 
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
              units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
@@ -323,61 +318,3 @@ def resolve_parallelism(requested: str, *, world_size: int, local_world_size: in
 def processes_per_node(requested: str, devices: int) -> int:
     """nn.DataParallel drives all of a node's GPUs from one process; the others take one each."""
     return 1 if requested == "dp" else devices
-
-
-# ---- composing the wrappers ---------------------------------------------------------------------
-def parallelize(model: nn.Module, parallelism: Parallelism, env: DistEnv, *, precision: str,
-                activation_checkpointing: bool = False, compile: bool = False,
-                wrap: Sequence[type] = (), mesh: Any = None,
-                dims: Optional[ParallelDims] = None) -> nn.Module:
-    """Tensor parallelism -> context parallelism -> activation checkpointing -> compile -> the
-    data-parallel wrapper, in that order (torchtitan's): each step must see the modules the one
-    before made, and the wrapper the final ones. `mesh`: a pipeline stage's, sliced from the
-    run's (pipeline.py); `dims`: the run's sizes, read for the context-parallel dimension."""
-    if not parallelism.offloads_to_host:
-        model.to(env.device)
-    mesh = parallelism.device_mesh(env) if mesh is None else mesh
-    parallelism.split(model, mesh)
-    if dims is not None and dims.cp > 1:
-        from .context import apply_context_parallel
-        has_cp = mesh is not None and "cp" in (mesh.mesh_dim_names or ())
-        apply_context_parallel(model, (mesh if has_cp else
-                                       dims.build_mesh(env.device.type))["cp"])
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if compile:
-        apply_compile(model)
-    return parallelism.wrap(model, env, precision=precision, units=shard_units(model, wrap),
-                            mesh=mesh)
-
-
-def parallelize_frozen(model: nn.Module, parallelism: Parallelism, env: DistEnv, *,
-                       precision: str, wrap: Sequence[type] = ()) -> nn.Module:
-    """A model the task runs without training it: no gradients, evaluation mode, placed and
-    (for sharding strategies) sharded by the same parallelism as the trained model."""
-    model.requires_grad_(False)
-    model.eval()
-    if not parallelism.offloads_to_host:
-        model.to(env.device)
-    mesh = parallelism.device_mesh(env)
-    parallelism.split(model, mesh)
-    return parallelism.wrap_frozen(model, env, precision=precision,
-                                   units=shard_units(model, wrap), mesh=mesh)
-
-
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute every transformer block in backward (non-reentrant): activations of one block
-    at a time instead of all of them."""
-    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac
-    for layers in block_lists(model):  # a list, or a pipeline stage's dict (pipeline.py)
-        for i, block in layers.named_children():
-            layers.register_module(i, ac.checkpoint_wrapper(
-                block, checkpoint_impl=ac.CheckpointImpl.NO_REENTRANT))
-
-
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block separately: the blocks are identical, so one compiled graph is reused
-    and the compile time stays that of one block."""
-    for layers in block_lists(model):
-        for i, block in layers.named_children():
-            layers.register_module(i, torch.compile(block))

@@ -46,7 +46,10 @@ class TensorParallel(FSDP):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "tp" if self.dims.dp == 1 else f"{self.data.name}+tp"
+        """`tp`, after the data-parallel strategy when there is one, then `+cp` when context
+        parallelism splits the sequences too (fsdp+tp+cp): every dimension above one."""
+        base = "tp" if self.dims.dp == 1 else f"{self.data.name}+tp"
+        return base + ("+cp" if self.dims.cp > 1 else "")
 
     @property
     def sharded(self) -> bool:  # type: ignore[override]
@@ -54,17 +57,12 @@ class TensorParallel(FSDP):
 
     @property
     def label(self) -> str:
-        return f"{self.name}{self.dims.tp}"
+        """e.g. tp2, fsdp+tp4+cp2: the degrees after their dimensions."""
+        base = f"{'tp' if self.dims.dp == 1 else self.data.name + '+tp'}{self.dims.tp}"
+        return base + (f"+cp{self.dims.cp}" if self.dims.cp > 1 else "")
 
     def device_mesh(self, env: DistEnv) -> Any:
         return self.dims.build_mesh(env.device.type)
-
-    def split(self, model: nn.Module, mesh: Any) -> None:
-        apply_tensor_parallel(model, mesh["tp"])
-        # The logits come out of the gathered head as a view of the DTensor's local tensor;
-        # FSDP2 warns about any view a root returns, for in-place ops the loop never does.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view",
-                                category=UserWarning)
 
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
              units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
@@ -123,6 +121,16 @@ def resolve_tensor_parallel(requested: str, tp: int, *, world_size: int, local_w
 
 
 # ---- the plans ----------------------------------------------------------------------------------
+def split_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
+    """The tensor-parallel step of `parallelize` (strategies.py), first of the fixed order: the
+    model split over the `tp` dimension of the run's mesh by its plan."""
+    apply_tensor_parallel(model, tp_mesh)
+    # The logits come out of the gathered head as a view of the DTensor's local tensor;
+    # FSDP2 warns about any view a root returns, for in-place ops the loop never does.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view",
+                            category=UserWarning)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
     """Split `model` over the 1-D `tp_mesh` by its plan (ours, the Hugging Face model's own
     `base_model_tp_plan`, or a `tp_plan` the module gives), then replicate over the mesh every

@@ -27,7 +27,7 @@ from ..models.files import MODEL_DIR
 from ..parallel.memory import format_memory_table, gather_memory
 from ..parallel.pipeline import Pipeline
 from ..parallel.precision import prepare_model
-from ..parallel.strategies import parallelize, parallelize_frozen
+from ..parallel.parallelize import parallelize, parallelize_frozen
 from ..records import loggers
 from ..records.console import log
 from ..records.timeline import Timeline
