@@ -18,7 +18,7 @@ from paratrain.config import OptimConfig
 from paratrain.dist import DistEnv
 from paratrain.launch.environment import free_port
 from paratrain.models import build_model
-from paratrain.models.presets import ModelArgs
+from paratrain.config.presets import ModelArgs
 from paratrain.parallel.precision import prepare_model
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.strategies import DDP, FSDP, Parallelism
