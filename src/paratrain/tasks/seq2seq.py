@@ -25,7 +25,7 @@ from ..data.dataset import IGNORE_INDEX
 from ..errors import ConfigError
 from ..formatting import human_count
 from .base import NO_FROZEN, Frozen, TokenLoss, to_device
-from .hf import Encoder, PretrainedTask
+from .finetuning import Encoder, PretrainedTask
 
 
 @dataclass

@@ -21,7 +21,7 @@ from torch import nn
 from ..config.model_folder import refuse_encoder_decoder
 from ..config.tree import TrainConfig
 from .base import TokenLoss
-from .hf import Encoder, PretrainedTask
+from .finetuning import Encoder, PretrainedTask
 
 
 @dataclass

@@ -47,7 +47,7 @@ from ...config.embedding import POOLINGS
 from ...config.model_folder import refuse_encoder_decoder
 from ...errors import ConfigError
 from ..base import NO_FROZEN, Frozen, to_device
-from ..hf import Encoder, PretrainedTask
+from ..finetuning import Encoder, PretrainedTask
 from .gather import gather
 
 EVAL_BLOCK = 16  # held-out pairs ranked against each other: the same on any number of workers

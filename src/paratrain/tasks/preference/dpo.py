@@ -39,7 +39,7 @@ from ...data.dataset import IGNORE_INDEX
 from ...formatting import human_count
 from ..base import NO_FROZEN, Frozen, MemoryProbe, per_sequence, sequence_logps, to_device
 from ..sft import CausalLMTask
-from ..hf import Encoder
+from ..finetuning import Encoder
 
 
 class Reference(enum.Enum):

@@ -30,7 +30,7 @@ from torch import nn
 from ...formatting import human_count
 from ..base import NO_FROZEN, Frozen, MemoryProbe, to_device
 from .grpo_loss import LossOptions, clip_counts, loss_units, reduce_loss, token_terms
-from ..hf import Encoder
+from ..finetuning import Encoder
 from .advantages import group_relative
 from .rewards import Rewards
 from .rollout import (
