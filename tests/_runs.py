@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional
 
 from tests.conftest import run_cli, tiny_overrides
 
@@ -39,23 +39,27 @@ class Run:
     overrides: list[str]
     stdout: str
     stderr: str
+    env: Optional[dict] = None  # the environment beside cli_env's, for a rerun of the command
 
 
 _RUNS: dict[str, Run] = {}
 
 
-def trained_run(tmp_path_factory, overrides: Mapping[str, object], timeout: float = 240) -> Run:
+def trained_run(tmp_path_factory, overrides: Mapping[str, object], timeout: float = 240,
+                env: Optional[dict] = None) -> Run:
     """`paratrain train KEY=VALUE...` trained once per session; the run dir is the cache's own.
-    """
+    `env`: variables the command needs beside cli_env's (not part of the key: they must not
+    change what the run computes, only let it find what it reads)."""
     over = [f"{k}={v}" for k, v in overrides.items()]
     assert not any(o.startswith(("run.dir=", "run.name=")) for o in over), \
         "the cache names its runs; leave run.dir and run.name out"
     key = _key(over)
     if key not in _RUNS:
         cwd = tmp_path_factory.mktemp("run")
-        r = run_cli(["train"] + over + [f"run.dir={cwd / 'run'}"], cwd=cwd, timeout=timeout)
+        r = run_cli(["train"] + over + [f"run.dir={cwd / 'run'}"], cwd=cwd, timeout=timeout,
+                    env=env)
         assert r.returncode == 0, r.stderr[-3000:]
-        _RUNS[key] = Run(cwd / "run", cwd, over, r.stdout, r.stderr)
+        _RUNS[key] = Run(cwd / "run", cwd, over, r.stdout, r.stderr, env)
     return _RUNS[key]
 
 

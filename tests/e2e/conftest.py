@@ -29,3 +29,21 @@ def preference_bert(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     from tests.e2e._preference_data import make_tiny_bert
     return make_tiny_bert(tmp_path_factory.mktemp("preference-bert"))
+
+
+@pytest.fixture(scope="session")
+def tiny_t5(tmp_path_factory) -> Path:
+    """A tiny T5 (an encoder-decoder: pairs train it as seq2seq) with its tokenizer."""
+    pytest.importorskip("transformers")
+    from tests.e2e._preference_data import make_tiny_t5
+    return make_tiny_t5(tmp_path_factory.mktemp("t5"))
+
+
+@pytest.fixture(scope="session")
+def contract_inputs(tmp_path_factory, corpus_dir, cache_dir, preference_llama, preference_data,
+                    tiny_t5):
+    """What the task contract's rows read (tests/e2e/test_task_contract.py), once per session:
+    every file that reads a row's runs gets the same inputs, so the same cached runs."""
+    from tests.e2e.test_task_contract import Inputs
+    return Inputs(preference_llama, preference_data, tmp_path_factory.mktemp("contract"),
+                  corpus_dir, cache_dir, tiny_t5)
