@@ -295,9 +295,8 @@ class PretrainedTask(Task):
         round the sum to 4 bits again)."""
         from ..models.hf import HFArgs, build_hf
         from .lora import apply_lora
-        base = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer),
-                               auto_class=self.auto_class,
-                               trust_remote_code=self.cfg.model.trust_remote_code))
+        base = build_hf(HFArgs.of(self.cfg.model, len(self.tokenizer),
+                                  auto_class=self.auto_class, quantized=False))
         return apply_lora(base, self.cfg.model.lora, task_type=self.lora_task_type)
 
     def describe(self, n_params: int) -> str:

@@ -48,9 +48,7 @@ class CausalLMTask(TokenLoss, PretrainedTask):
 
     def load_pretrained(self) -> nn.Module:
         from ..models.hf import HFArgs, build_hf
-        m = self.cfg.model
-        model = build_hf(HFArgs(m.path, len(self.tokenizer), quantize=m.quantize,
-                                trust_remote_code=m.trust_remote_code))
+        model = build_hf(HFArgs.of(self.cfg.model, len(self.tokenizer)))
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         return model

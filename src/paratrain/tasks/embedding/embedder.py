@@ -158,8 +158,8 @@ class EmbeddingTask(PretrainedTask):
 
     def load_pretrained(self) -> nn.Module:
         from ...models.hf import HFArgs, build_hf
-        return without_pooler(build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer),
-                                              auto_class=self.auto_class)))
+        return without_pooler(build_hf(HFArgs.of(self.cfg.model, len(self.tokenizer),
+                                                 auto_class=self.auto_class)))
 
     def count_units(self, batch: dict) -> int:
         return int(batch["input_ids"].shape[0]) // batch["columns"]

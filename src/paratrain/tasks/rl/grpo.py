@@ -112,7 +112,8 @@ class GRPOTask(CausalLMTask):
         if self.kl_coef != 0.0 and not self.lora:
             from ...models.hf import HFArgs, build_hf
             torch.manual_seed(self.cfg.trainer.seed)
-            frozen["reference"] = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer)))
+            frozen["reference"] = build_hf(HFArgs.of(self.cfg.model, len(self.tokenizer),
+                                                     quantized=False))
         return frozen
 
     def memory_probe(self) -> Optional[MemoryProbe]:
