@@ -1,15 +1,16 @@
 """One contract over every registered task (config/registry.py), one row each in ROWS: 1 and 2
 workers run the same steps, a run killed after a committed snapshot resumes bit-identical,
 `paratrain plan` measures it (or gives its padding share and says in one line that it cannot
-measure its memory yet), and its guide's example
-runs as printed. A registered task without a row fails `test_every_registered_task_has_a_row`.
+measure its memory yet), and its guide's example runs as printed. A registered task without a
+row fails `test_every_registered_task_has_a_row`.
 
-A row is a function of the session's shared inputs (`Inputs`) giving the task's run: `Row`'s
-overrides on 2 CPU workers, 4 steps, a snapshot every 2; the 1-worker run is the same with the
-whole global batch in one process, as two micro-batches (accumulation). The runs are the session's (tests/_runs.py): trained once,
-read by every test here and by the task's own file (test_kto.py reads the KTO row's runs,
-test_dpo.py the DPO row's, ...), which keeps only what is the task's own. A row's `layout` puts
-its 2-worker run under FSDP or 2 workers accumulating, so that setting is checked at no extra run.
+A row is a function of the session's shared inputs (`Inputs`, the session's `contract_inputs`)
+giving the task's run: `Row`'s overrides on 2 CPU workers, 4 steps, a snapshot every 2; the
+1-worker run is the same with the whole global batch in one process, as two micro-batches
+(accumulation). The runs are the session's (tests/_runs.py): trained once, read by every test
+here and by the task's own file (test_kto.py reads the KTO row's runs, test_dpo.py the DPO
+row's, ...), which keeps only what is the task's own. A row's `layout` puts its 2-worker run
+under FSDP or 2 workers accumulating, so that setting is checked at no extra run.
 Adding a task: one line in ROWS."""
 
 from __future__ import annotations
