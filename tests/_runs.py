@@ -21,7 +21,7 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional
 
 from tests._shared import held, session_root
 from tests.conftest import run_cli, tiny_overrides
@@ -44,26 +44,29 @@ class Run:
     overrides: list[str]
     stdout: str
     stderr: str
+    env: Optional[dict] = None  # the environment beside cli_env's, for a rerun of the command
 
 
 _RUNS: dict[str, Run] = {}
 
 
-def trained_run(tmp_path_factory, overrides: Mapping[str, object], timeout: float = 240) -> Run:
+def trained_run(tmp_path_factory, overrides: Mapping[str, object], timeout: float = 240,
+                env: Optional[dict] = None) -> Run:
     """`paratrain train KEY=VALUE...` trained once per session; the run dir is the cache's own.
-    """
+    `env`: variables the command needs beside cli_env's (not part of the key: they must not
+    change what the run computes, only let it find what it reads)."""
     over = [f"{k}={v}" for k, v in overrides.items()]
     assert not any(o.startswith(("run.dir=", "run.name=")) for o in over), \
         "the cache names its runs; leave run.dir and run.name out"
     key = _key(over)
     if key not in _RUNS:
-        cwd, stdout, stderr = _trained_once(tmp_path_factory, over, key, timeout)
-        _RUNS[key] = Run(cwd / "run", cwd, over, stdout, stderr)
+        cwd, stdout, stderr = _trained_once(tmp_path_factory, over, key, timeout, env)
+        _RUNS[key] = Run(cwd / "run", cwd, over, stdout, stderr, env)
     return _RUNS[key]
 
 
-def _trained_once(tmp_path_factory, over: list[str], key: str, timeout: float
-                  ) -> tuple[Path, str, str]:
+def _trained_once(tmp_path_factory, over: list[str], key: str, timeout: float,
+                  env: Optional[dict]) -> tuple[Path, str, str]:
     """(where it ran, stdout, stderr) of the session's run of `key`, trained here unless a
     worker did it first (a failed training leaves no record: the next asker tries again)."""
     root = session_root(tmp_path_factory) / "runs"
@@ -73,7 +76,8 @@ def _trained_once(tmp_path_factory, over: list[str], key: str, timeout: float
     with held(root / f"{name}.lock"):
         if not record.exists():
             cwd = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
-            r = run_cli(["train"] + over + [f"run.dir={cwd / 'run'}"], cwd=cwd, timeout=timeout)
+            r = run_cli(["train"] + over + [f"run.dir={cwd / 'run'}"], cwd=cwd, timeout=timeout,
+                        env=env)
             assert r.returncode == 0, r.stderr[-3000:]
             written = record.with_suffix(".tmp")
             written.write_text(json.dumps({"cwd": str(cwd), "stdout": r.stdout,

@@ -10,6 +10,12 @@ def digits(prompts: list, completions: list[str]) -> list[float]:
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
+def vowels(prompts: list, completions: list[str]) -> list[float]:
+    """The share of a completion's characters that are vowels: a dense rule reward for a model
+    whose tokenizer learnt words (the task contract's RL rows)."""
+    return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
+
+
 def raises(prompts: list, completions: list[str]) -> list[float]:
     raise ValueError("the grader is down")
 

@@ -33,6 +33,18 @@ def preference_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def labelled_rows(n: int, seed: int) -> list[dict]:
+    """{"text", "label"}: texts that mention KEYWORD ("fruit") or OTHER ("stone"), alternating.
+    """
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(2, 5))]
+        words.insert(rng.randrange(len(words) + 1), KEYWORD if i % 2 else OTHER)
+        rows.append({"text": " ".join(words), "label": "fruit" if i % 2 else "stone"})
+    return rows
+
+
 N_VAL = 41  # odd: split over 2 workers and batches, every pair must still count once
 
 

@@ -1,8 +1,9 @@
 """DPO end to end and offline (data.format=preference): a tiny Llama built here from a transformers
 config, with a BPE tokenizer trained here, on synthetic pairs whose chosen responses mention a
 keyword the rejected ones lack. Real worker processes: at step 1 (policy = reference) the loss is
-log 2 and the rewards are 0; 1 worker, 2 with accumulation (DDP) and 2 under FSDP give the same
-losses and reward figures, and so do reference log-probs precomputed once; the full reference
+log 2 and the rewards are 0; 1 worker accumulating and 2 DDP workers (the task contract's runs,
+tests/e2e/test_task_contract.py) and 2 under FSDP give the same losses and reward figures, and
+so do reference log-probs precomputed once; the full reference
 stays bitwise the model it was loaded from; LoRA
 DPO under FSDP is killed after a committed snapshot and the same command ends bit-identical,
 with snapshots of the adapters alone; the Python API's lists learn the preference."""
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._runs import Run
 from tests.conftest import (
     REPO,
     cli_error,
@@ -64,7 +66,7 @@ if __name__ == "__main__":
     cfg = TrainConfig.from_yaml(None, {overrides!r})
     task = CheckedDPOTask.prepare(cfg, DistEnv.single("cpu"), None, print)
     task.report_dir = {report!r}
-    Trainer(task=task, devices="cpu:2", strategy="fsdp", max_steps=10, batch_size=4,
+    Trainer(task=task, devices="cpu:2", strategy="fsdp", max_steps=4, batch_size=4,
             global_batch_size=8, log_every=1, eval_every=1000, lr=3e-3, warmup_steps=0,
             progress_bar=False, run_dir={run_dir!r}, verbose=True,
             distributed_config={{"timeout_s": 60}}).fit()
@@ -72,29 +74,28 @@ if __name__ == "__main__":
 
 
 @pytest.fixture(scope="module")
-def one_worker(tmp_path_factory, llama, data) -> Path:
-    """10 steps of full DPO in one process: what the other layouts must reproduce."""
-    tmp = tmp_path_factory.mktemp("dpo-one")
-    r = run_cli(dpo_args(llama, *data, tmp / "one", **{"trainer.devices": "cpu",
-                                                       "trainer.batch_size": 8}), cwd=tmp)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "reference: a frozen copy of model.path" in r.stderr
-    return tmp / "one"
+def contract(tmp_path_factory, contract_inputs) -> tuple[Run, Run]:
+    """The task contract's DPO runs (tests/e2e/test_task_contract.py, 4 steps: 1 worker
+    accumulating 2 micro-batches and 2 DDP workers agree; a killed run resumes bit-identical):
+    what the other layouts here must reproduce."""
+    from tests.e2e.test_task_contract import runs_of
+    return runs_of(tmp_path_factory, ("preference", "dpo"), contract_inputs)
+
+
+@pytest.fixture(scope="module")
+def one_worker(contract) -> Path:
+    assert "reference: a frozen copy of model.path" in contract[0].stderr
+    return contract[0].dir
 
 
 @pytest.mark.slow
-def test_step_one_is_log_2_and_one_two_workers_and_fsdp_agree(tmp_path, llama, data,
+def test_step_one_is_log_2_and_one_two_workers_and_fsdp_agree(tmp_path, llama, contract,
                                                                one_worker):
-    """1 worker; 2 under DDP with 2 accumulation micro-steps; 2 under FSDP (through the Python
-    API with a task that checks its reference on every micro-step): the same losses and reward
-    figures, step 1 at log 2 with zero rewards, and the same final validation figures."""
-    train, val = data
-    runs = {"one": one_worker}
-    r = run_cli(dpo_args(llama, train, val, tmp_path / "ddp", **{
-        "trainer.batch_size": 2, "trainer.strategy": "ddp"}), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    runs["ddp"] = tmp_path / "ddp"
-    overrides = dpo_args(llama, train, val, tmp_path / "unused")[1:]
+    """The contract's 1 worker and 2 DDP workers; 2 under FSDP (through the Python API with a
+    task that checks its reference on every micro-step): the same losses and reward figures,
+    step 1 at log 2 with zero rewards, and the same final validation figures."""
+    runs = {"one": one_worker, "ddp": contract[1].dir}
+    overrides = contract[1].overrides
     report = tmp_path / "checks"
     report.mkdir()
     script = tmp_path / "checked.py"
@@ -104,9 +105,9 @@ def test_step_one_is_log_2_and_one_two_workers_and_fsdp_agree(tmp_path, llama, d
     assert r.returncode == 0, r.stderr[-3000:]
     runs["fsdp"] = tmp_path / "fsdp"
     # the reference was checked bitwise against model.path on every micro-step of both ranks
-    # (10 steps, one micro-step each) and in every final validation batch
+    # (4 steps, one micro-step each) and in every final validation batch
     checks = [int(p.read_text()) for p in report.glob("*.checks")]
-    assert len(checks) == 2 and all(c > 10 for c in checks), checks
+    assert len(checks) == 2 and all(c > 4 for c in checks), checks
     assert "frozen MB" in r.stderr  # the reference's memory is in the verbose memory table
 
     metrics = {name: read_metrics(d) for name, d in runs.items()}
@@ -116,7 +117,7 @@ def test_step_one_is_log_2_and_one_two_workers_and_fsdp_agree(tmp_path, llama, d
     assert all(abs(first[k]) < 1e-7 for k in REWARDS[:3]), first
     assert metrics["one"][-1]["loss"] < first["loss"]  # it learns
     for name in ("ddp", "fsdp"):
-        assert len(metrics[name]) == 10
+        assert len(metrics[name]) == 4
         for a, b in zip(metrics["one"], metrics[name]):
             for key in ("loss",) + REWARDS:
                 assert a[key] == pytest.approx(b[key], abs=1e-5), (name, a["step"], key)
@@ -133,13 +134,14 @@ def test_step_one_is_log_2_and_one_two_workers_and_fsdp_agree(tmp_path, llama, d
 
 
 @pytest.mark.slow
-def test_precomputed_reference_log_probs_give_the_same_run(tmp_path, llama, data, one_worker):
+def test_precomputed_reference_log_probs_give_the_same_run(tmp_path, contract, one_worker):
     """dpo.precompute_reference=true on 2 workers: the calling process computes the reference's
     log-probs once and caches them (the workers read them; no reference is held), and the run
     is the one with a frozen reference."""
     cache = tmp_path / "cache"
-    r = run_cli(dpo_args(llama, *data, tmp_path / "pre", **{
-        "dpo.precompute_reference": "true", "data.cache_dir": str(cache)}), cwd=tmp_path)
+    r = run_cli(["train"] + contract[1].overrides + [  # the contract's 2-worker run's settings
+        "dpo.precompute_reference=true", f"data.cache_dir={cache}", f"run.dir={tmp_path / 'pre'}"],
+        cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("reference log-probs of") == 2  # train and validation, once each
     assert "reference: log-probabilities computed once before training" in r.stderr

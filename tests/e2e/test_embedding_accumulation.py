@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import assert_runs_agree, read_metrics, run_cli
 from tests.e2e._preference_data import preference_rows, small_run_args
 from tests.e2e._tiny_model import write_jsonl
-from tests.e2e.test_setfit import _labelled
+from tests.e2e._preference_data import labelled_rows as _labelled
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(900)]

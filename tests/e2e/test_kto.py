@@ -16,13 +16,12 @@ pytestmark = [pytest.mark.timeout(900)]
 
 @pytest.mark.slow
 def test_the_kl_estimate_and_rewards_start_at_zero_and_both_workers_count(
-        tmp_path_factory, preference_llama, preference_data):
+        tmp_path_factory, contract_inputs):
     """On the contract's KTO runs (tests/e2e/test_task_contract.py: 1 and 2 workers agree, a
     killed run resumes bit-identical): policy = reference at step 1, so no reward, KL 0, each
     loss half its weight; later estimates are positive, made from both workers' batches."""
-    from tests.e2e.test_task_contract import Inputs, runs_of
-    given = Inputs(preference_llama, preference_data, tmp_path_factory.mktemp("kto"))
-    one, _ = runs_of(tmp_path_factory, ("preference", "kto"), given)
+    from tests.e2e.test_task_contract import runs_of
+    one, _ = runs_of(tmp_path_factory, ("preference", "kto"), contract_inputs)
     rows = read_metrics(one.dir)
     first = rows[0]
     assert first["kl"] == 0.0 and first["rewards/chosen"] == first["rewards/rejected"] == 0.0

@@ -1,9 +1,10 @@
 """Seq2seq fine-tuning end to end and offline: a tiny T5 built here from a transformers config,
 with a BPE tokenizer trained here, on input->output pairs (data.format=pairs: the encoder-decoder
 model.path picks the task). The loss counts the target tokens only (the input's padding changes
-nothing); 1 and 2 workers and FSDP give the same losses; LoRA on T5's q and v; the saved folders
-reload in plain transformers and peft with the logits and the loss the run reported;
-`paratrain generate` prints the model's output."""
+nothing); LoRA on T5's q and v; the saved folders reload in plain transformers and peft with the
+logits and the loss the run reported; `paratrain generate` prints the model's output. 1 worker,
+2 workers and FSDP give the same losses: the task contract's seq2seq row
+(tests/e2e/test_task_contract.py), whose FSDP run this file reads."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import cli_run, read_metrics, read_summary, run_cli
-from tests.e2e._preference_data import make_tiny_t5, preference_rows, small_run_args, write_jsonl
+from tests.e2e._preference_data import preference_rows, small_run_args, write_jsonl
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(900)]
@@ -28,8 +29,8 @@ def pairs(n: int, seed: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def t5(tmp_path_factory) -> Path:
-    return make_tiny_t5(tmp_path_factory.mktemp("t5"))
+def t5(tiny_t5) -> Path:
+    return tiny_t5  # the session's (tests/e2e/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -77,33 +78,6 @@ def test_the_loss_counts_target_tokens_and_ignores_input_padding(t5, data):
     assert all(int(t[-1]) == task.tokenizer.eos_token_id for t in targets)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, t5, data) -> dict[str, Path]:
-    """10 steps each: one process; 2 workers under DDP with 2 accumulation micro-steps; 2
-    workers under FSDP (every T5 block of both stacks sharded)."""
-    tmp = tmp_path_factory.mktemp("seq2seq-runs")
-    out = {}
-    for name, extra in (("one", {"trainer.devices": "cpu", "trainer.batch_size": 8}),
-                        ("ddp", {"trainer.batch_size": 2, "trainer.strategy": "ddp"}),
-                        ("fsdp", {"trainer.strategy": "fsdp"})):
-        r = run_cli(s2s_args(t5, *data, tmp / name, **extra), cwd=tmp, timeout=400)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert "seq2seq model hf" in r.stderr
-        out[name] = tmp / name
-    return out
-
-
-@pytest.mark.slow
-def test_one_two_workers_and_fsdp_give_the_same_losses(runs):
-    one = [m["loss"] for m in read_metrics(runs["one"])]
-    assert len(one) == 10 and one[-1] < one[0]
-    for name in ("ddp", "fsdp"):
-        other = [m["loss"] for m in read_metrics(runs[name])]
-        assert max(abs(a - b) for a, b in zip(one, other)) < 1e-5, (name, one, other)
-        assert read_summary(runs[name])["val_loss"] == pytest.approx(
-            read_summary(runs["one"])["val_loss"], abs=1e-5)
-
-
 def _loss_with_transformers(model, task, rows: list[dict]) -> float:
     """The mean target-token loss of `model` (plain transformers) on rows, one at a time."""
     tok, total, count = task.tokenizer, 0.0, 0
@@ -118,13 +92,23 @@ def _loss_with_transformers(model, task, rows: list[dict]) -> float:
 
 
 @pytest.mark.slow
-def test_saved_folder_reloads_with_the_runs_loss_and_generates(tmp_path, runs, t5, data, capsys):
+def test_saved_folder_reloads_with_the_runs_loss_and_generates(tmp_path_factory, contract_inputs,
+                                                               t5, capsys):
+    """On the task contract's seq2seq runs (1 worker accumulating and 2 FSDP workers, every T5
+    block of both stacks sharded, agree; a killed run resumes bit-identical): the FSDP run's
+    model/ reloads in transformers with the loss the run reported, and generates greedily."""
     import transformers
-    run_dir = runs["fsdp"]
+
+    from tests.e2e.test_task_contract import runs_of, settings_of
+    key = ("pairs", "seq2seq")
+    _, two = runs_of(tmp_path_factory, key, contract_inputs)
+    assert "seq2seq model hf" in two.stderr and read_summary(two.dir)["strategy"] == "fsdp"
+    run_dir, own = two.dir, settings_of(key, contract_inputs)
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(run_dir / "model",
                                                                local_files_only=True).eval()
-    task = _task(t5, *data)
-    rows = [json.loads(line) for line in data[1].read_text().splitlines()]
+    train, val = Path(own["data.source"]), Path(own["data.val_source"])
+    task = _task(t5, train, val)
+    rows = [json.loads(line) for line in val.read_text().splitlines()]
     assert _loss_with_transformers(model, task, rows) == pytest.approx(
         read_summary(run_dir)["val_loss"], abs=1e-5)
     assert (run_dir / "model" / "tokenizer.json").read_bytes() == \

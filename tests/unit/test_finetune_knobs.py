@@ -184,7 +184,7 @@ def test_label_smoothing_is_torchs_and_applies_while_training_only(tiny):
 def test_neftune_noise_is_bounded_and_off_in_eval():
     from functools import partial
 
-    from paratrain.tasks.hf import neftune_noise
+    from paratrain.tasks.finetuning import neftune_noise
     emb = torch.nn.Embedding(10, 8)
     emb.register_forward_hook(partial(neftune_noise, 5.0))
     ids = torch.arange(6)[None]  # (1, 6)

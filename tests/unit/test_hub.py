@@ -90,6 +90,28 @@ def test_remote_code_is_refused_unless_allowed(tmp_path, pairs_llama):
     assert _pairs_cfg(tmp_path, str(model), "model.trust_remote_code=true").model.trust_remote_code
 
 
+def test_every_task_loads_with_the_model_sections_remote_code_and_quantize():
+    """HFArgs.of(cfg.model, ...): model.trust_remote_code (and model.quantize, for the model a
+    task trains) reach every task that loads a Hugging Face model; a frozen reference, or the
+    full-precision base of a quantized run's merge, is loaded unquantized. No task builds its
+    HFArgs another way (a new task's would miss them)."""
+    import types
+    from pathlib import Path
+
+    import paratrain.tasks
+    from paratrain.models.hf import HFArgs
+    model = types.SimpleNamespace(path="my-model", quantize="nf4", trust_remote_code=True)
+    trained = HFArgs.of(model, 320, auto_class="AutoModelForSeq2SeqLM")
+    assert (trained.path, trained.vocab_size, trained.auto_class, trained.quantize,
+            trained.trust_remote_code) == ("my-model", 320, "AutoModelForSeq2SeqLM", "nf4", True)
+    reference = HFArgs.of(model, 320, path="ref", quantized=False)
+    assert (reference.path, reference.quantize, reference.trust_remote_code) == \
+        ("ref", None, True)
+    tasks = Path(paratrain.tasks.__file__).parent
+    direct = [str(f.relative_to(tasks)) for f in tasks.rglob("*.py") if "HFArgs(" in f.read_text()]
+    assert direct == [], direct
+
+
 def test_a_token_never_reaches_a_config_dump(tmp_path, offline_cache, monkeypatch):
     fake = "hf_FAKEtoken0123456789abcdefghijklmnop"
     monkeypatch.setenv("HF_TOKEN", fake)

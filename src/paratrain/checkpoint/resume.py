@@ -49,8 +49,9 @@ class Resuming:
                 continue
             try:
                 self._load(url, marker)
-            except (Exception, CheckpointException) as e:  # raised on every rank alike: DCP
-                # gathers the errors of all ranks (CheckpointException is a BaseException)
+            # raised on every rank alike: DCP gathers the errors of all ranks (CheckpointException
+            # is a BaseException)
+            except (Exception, CheckpointException) as e:
                 failures.append((url, marker))
                 log(env, f"warning: skipping snapshot {redact_url(url)}: it cannot be loaded "
                          f"({integrity.cause_line(e)[:300]}); {then}")

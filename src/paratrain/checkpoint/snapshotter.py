@@ -64,8 +64,8 @@ class Snapshotter(Resuming):
         self.at_epoch_end = ck.at_epoch_end
         self.max_failed_saves = ck.max_failed_saves
         self.failed_in_a_row = 0  # snapshots that could not be written, since the last commit
-        self.committed_url: Optional[str] = None  # the newest snapshot this run committed or
-        # resumed from
+        # the newest snapshot this run committed or resumed from
+        self.committed_url: Optional[str] = None
         self.stalls: list[float] = []  # seconds the loop waited, per snapshot
         self._pending: Optional[tuple[str, Future]] = None
         self._pg = None

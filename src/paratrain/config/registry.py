@@ -48,8 +48,9 @@ class TaskSpec:
     checks: tuple[Callable[[Any], None], ...] = field(default=())  # on a TrainConfig
     generate: str = "paratrain.models.generate:generate_from_run"  # (model_dir, prompt, opts)
     objective: str = "lm"  # its trainer.objective value; a format's first task is auto's
-    encoder_decoder: Optional[bool] = False  # the models it trains: True encoder-decoder (T5,
-    # BART), False decoder-only, None either (its own check_model refuses what it cannot train)
+    # the models it trains: True encoder-decoder (T5, BART), False decoder-only, None either (its
+    # own check_model refuses what it cannot train)
+    encoder_decoder: Optional[bool] = False
     packs: bool = False  # data.pack=true: several examples per row, kept apart (data/packing.py)
     no_pack: str = "it reads one output per row (a class or an embedding)"  # and why not
 

@@ -85,8 +85,9 @@ class RLConfig:
     """ppo: the lambda of GAE."""
 
 
-LOSS_TYPE_NAMES = ("dapo", "grpo", "dr_grpo", "bnpo")  # TRL 1.16 GRPOConfig.loss_type values we
-# have: tasks/rl/grpo_loss.py's LOSS_TYPES table, in this order (it asserts so)
+# TRL 1.16 GRPOConfig.loss_type values we have: tasks/rl/grpo_loss.py's LOSS_TYPES table, in this
+# order (it asserts so)
+LOSS_TYPE_NAMES = ("dapo", "grpo", "dr_grpo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
 
 

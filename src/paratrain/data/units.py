@@ -23,8 +23,9 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 from .corpus import Corpus, budgeted
 from .saved_dataset import batch_count
 
-PIECE_BYTES = 2**20  # a text file longer than this is read in pieces of about this size (the
-# tokenizer holds ~140 bytes per byte of text it encodes at once: 1 MiB costs ~150 MB)
+# a text file longer than this is read in pieces of about this size (the tokenizer holds ~140 bytes
+# per byte of text it encodes at once: 1 MiB costs ~150 MB)
+PIECE_BYTES = 2**20
 CHUNK_MAX_BYTES = 64 * 2**20  # a chunk (a shard) holds at most about this much text ...
 CHUNKS_PER_PROCESS = 4  # ... and at least this many chunks per process when the corpus allows
 _WINDOW = 256  # bytes each side of a cut that the pre-tokenizer check looks at

@@ -47,8 +47,8 @@ SPAWN = WorkerStart("spawn")
 # the server ignores them, since a server that died could not tell the agent how its workers
 # ended (multiprocessing would report exit code 255 for workers that are still training).
 _JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
-_ONE_DEVICE = re.compile(r"cpu(:1)?|gpu:1|(cuda:)?\d+")  # trainer.devices naming one device
-# (gpu:N counts GPUs, as cpu:N counts workers; cuda:N names GPU N)
+# trainer.devices naming one device (gpu:N counts GPUs, as cpu:N counts workers; cuda:N names GPU N)
+_ONE_DEVICE = re.compile(r"cpu(:1)?|gpu:1|(cuda:)?\d+")
 
 
 def start(cfg: Any) -> None:

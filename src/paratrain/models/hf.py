@@ -31,6 +31,18 @@ class HFArgs:
     def to_dict(self) -> dict:
         return {"arch": self.arch, "path": self.path, "vocab_size": self.vocab_size}
 
+    @classmethod
+    def of(cls, model: Any, vocab_size: int, auto_class: str = "AutoModelForCausalLM",
+           path: Optional[str] = None, quantized: bool = True) -> "HFArgs":
+        """What a task loads with, from the config's model section (`model`), so that
+        model.trust_remote_code and model.quantize reach every task alike. `path`: another
+        folder than model.path (a reference model); `quantized=False`: full precision whatever
+        model.quantize says (a frozen reference, or the base a quantized run's adapters are
+        merged onto). The config refuses model.quantize where a task cannot take it."""
+        return cls(str(path if path is not None else model.path), vocab_size,
+                   auto_class=auto_class, quantize=model.quantize if quantized else None,
+                   trust_remote_code=model.trust_remote_code)
+
 
 def build_hf(args: HFArgs) -> nn.Module:
     try:

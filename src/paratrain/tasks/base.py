@@ -5,9 +5,10 @@ extends: its required members and its optional seams, each with a default, are t
 the loop, validation, the run plan, the memory plan and the launcher read (nothing else asks a
 task whether it has something). The tasks are found by `data.format` and `trainer.objective` in
 the registry (config/registry.py): `LMTask` (pretraining.py, a language model on a corpus), the
-tasks on a pretrained Hugging Face model (hf.py's shared base; sft.py, classify.py, seq2seq.py and
-the families in preference/, embedding/, rl/), and, outside the registry, the user's own model
-and data (`UserTask`, user.py) or any Task subclass handed to `Trainer(task=...)`.
+tasks on a pretrained Hugging Face model (finetuning.py's shared base; sft.py, classify.py,
+seq2seq.py and the families in preference/, embedding/, rl/), and, outside the registry, the
+user's own model and data (`UserTask`, user.py) or any Task subclass handed to
+`Trainer(task=...)`.
 The unit the loss counts (tokens, texts, samples) is called a *loss unit* everywhere: the loop
 weights gradients by it, and throughput (`tokens_per_s` in the files, `unit_name` per second)
 counts it, so pads are never counted.
@@ -135,8 +136,9 @@ class Task:
         return {}
 
     def sample_lengths(self) -> Any:
-        """(N,) each training sample's tokens: data.group_by_length's key (tasks/hf.py); None:
-        its samples have no single length (the config refuses group_by_length for them)."""
+        """(N,) each training sample's tokens: data.group_by_length's key
+        (tasks/finetuning.py); None: its samples have no single length (the config refuses
+        group_by_length for them)."""
         return None
 
     def memory_probe(self) -> Optional[MemoryProbe]:

@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..formatting import human_count
 from ..models.hf import loads_weights, quiet_transformers
 from .base import NO_FROZEN, Frozen, to_device, training_smoothing
-from .hf import Encoder, PretrainedTask
+from .finetuning import Encoder, PretrainedTask
 
 
 @dataclass

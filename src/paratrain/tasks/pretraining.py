@@ -50,7 +50,7 @@ class LMTask(TokenLoss, Task):
             log(hf_tokenizer_line(cfg, data.tokenizer, prepared.vocab_size))
             check_embeddings(cfg, prepared.vocab_size)  # in the launching process: before launch
         vocab = cfg.model.vocab_size or prepared.vocab_size  # the tokenizer's
-        args = HFArgs(cfg.model.path, vocab) if cfg.model.arch == "hf" else \
+        args = HFArgs.of(cfg.model, vocab) if cfg.model.arch == "hf" else \
             resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
         train = build_dataset(prepared, "train", cfg.data, packed=cfg.task_spec.packed)
         if not cfg.task_spec.packed:  # padded: what long documents become

@@ -25,7 +25,7 @@ from ..data.dataset import IGNORE_INDEX
 from ..errors import ConfigError
 from ..formatting import human_count
 from .base import NO_FROZEN, Frozen, TokenLoss, to_device
-from .hf import Encoder, PretrainedTask
+from .finetuning import Encoder, PretrainedTask
 
 
 @dataclass
@@ -55,8 +55,8 @@ class Seq2SeqTask(TokenLoss, PretrainedTask):
 
     def load_pretrained(self) -> nn.Module:
         from ..models.hf import HFArgs, build_hf
-        model = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer),
-                                auto_class="AutoModelForSeq2SeqLM"))
+        model = build_hf(HFArgs.of(self.cfg.model, len(self.tokenizer),
+                                   auto_class="AutoModelForSeq2SeqLM"))
         if getattr(model.config, "decoder_start_token_id", None) is None:
             raise ConfigError(f"model.path={self.cfg.model.path!r} has no "
                               "decoder_start_token_id in its config.json; set it (T5: the pad "

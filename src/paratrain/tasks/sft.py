@@ -21,7 +21,7 @@ from torch import nn
 from ..config.model_folder import refuse_encoder_decoder
 from ..config.tree import TrainConfig
 from .base import TokenLoss
-from .hf import Encoder, PretrainedTask
+from .finetuning import Encoder, PretrainedTask
 
 
 @dataclass
@@ -48,9 +48,7 @@ class CausalLMTask(TokenLoss, PretrainedTask):
 
     def load_pretrained(self) -> nn.Module:
         from ..models.hf import HFArgs, build_hf
-        m = self.cfg.model
-        model = build_hf(HFArgs(m.path, len(self.tokenizer), quantize=m.quantize,
-                                trust_remote_code=m.trust_remote_code))
+        model = build_hf(HFArgs.of(self.cfg.model, len(self.tokenizer)))
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         return model

@@ -47,7 +47,7 @@ from ...config.embedding import POOLINGS
 from ...config.model_folder import refuse_encoder_decoder
 from ...errors import ConfigError
 from ..base import NO_FROZEN, Frozen, to_device
-from ..hf import Encoder, PretrainedTask
+from ..finetuning import Encoder, PretrainedTask
 from .gather import gather
 
 EVAL_BLOCK = 16  # held-out pairs ranked against each other: the same on any number of workers
@@ -158,8 +158,8 @@ class EmbeddingTask(PretrainedTask):
 
     def load_pretrained(self) -> nn.Module:
         from ...models.hf import HFArgs, build_hf
-        return without_pooler(build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer),
-                                              auto_class=self.auto_class)))
+        return without_pooler(build_hf(HFArgs.of(self.cfg.model, len(self.tokenizer),
+                                                 auto_class=self.auto_class)))
 
     def count_units(self, batch: dict) -> int:
         return int(batch["input_ids"].shape[0]) // batch["columns"]

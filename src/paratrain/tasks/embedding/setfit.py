@@ -29,7 +29,7 @@ import torch
 from ...errors import ConfigError
 from ..classify import EncodeLabelled
 from .embedder import EmbeddingTask, embed_folder, load_embedder
-from ..hf import Encoder
+from ..finetuning import Encoder
 
 
 def draw_pairs(examples: Sequence[dict], rounds: int, seed: int) -> list[dict]:

@@ -39,7 +39,7 @@ from ...data.dataset import IGNORE_INDEX
 from ...formatting import human_count
 from ..base import NO_FROZEN, Frozen, MemoryProbe, per_sequence, sequence_logps, to_device
 from ..sft import CausalLMTask
-from ..hf import Encoder
+from ..finetuning import Encoder
 
 
 class Reference(enum.Enum):
@@ -171,7 +171,8 @@ class DPOTask(PairTask, CausalLMTask):
         policy's own random start)."""
         from ...models.hf import HFArgs, build_hf
         torch.manual_seed(self.cfg.trainer.seed)
-        model = build_hf(HFArgs(str(path), len(self.tokenizer)))
+        model = build_hf(HFArgs.of(self.cfg.model, len(self.tokenizer), path=str(path),
+                                   quantized=False))
         model.config.pad_token_id = self.tokenizer.pad_token_id
         if self.cfg.data.pack:  # it scores the same packed rows as the policy
             from ...models.hf import check_packed_attention, use_packed_attention

@@ -35,7 +35,7 @@ from torch import nn
 
 from ...formatting import human_count
 from ..base import NO_FROZEN, Frozen, sequence_logps, to_device
-from ..hf import Encoder
+from ..finetuning import Encoder
 from .dpo import DPOTask, PairEncoder
 from .packed_pairs import half_rows
 

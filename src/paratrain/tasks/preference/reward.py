@@ -32,7 +32,7 @@ from ...errors import ConfigError
 from ...formatting import human_count
 from ..base import NO_FROZEN, Frozen, to_device
 from ..classify import load_classifier
-from ..hf import Encoder, PretrainedTask, quiet_transformers
+from ..finetuning import Encoder, PretrainedTask, quiet_transformers
 from .dpo import PairEncoder, PairTask, reward_counts
 
 SCORE_LABEL = "score"  # the head's one output, named in config.json's id2label

@@ -31,7 +31,7 @@ from torch import nn
 from ...formatting import human_count
 from ..base import NO_FROZEN, Frozen, MemoryProbe, to_device
 from .grpo_loss import LossOptions, clip_counts, loss_units, reduce_loss, token_terms
-from ..hf import Encoder
+from ..finetuning import Encoder
 from .advantages import group_relative
 from .rewards import Rewards
 from .rollout import (
@@ -122,7 +122,8 @@ class GRPOTask(CausalLMTask):
         if self.kl_coef != 0.0 and not self.lora:
             from ...models.hf import HFArgs, build_hf
             torch.manual_seed(self.cfg.trainer.seed)
-            frozen["reference"] = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer)))
+            frozen["reference"] = build_hf(HFArgs.of(self.cfg.model, len(self.tokenizer),
+                                                     quantized=False))
             if self.cfg.data.pack:  # it scores the same packed rows as the policy
                 from ...models.hf import check_packed_attention, use_packed_attention
                 use_packed_attention(frozen["reference"])

@@ -1,8 +1,10 @@
-"""What every fine-tuning task on a pretrained Hugging Face model shares: the model's own
-tokenizer (nothing is retrained), the records (files or the Python API's lists), the held-out
-validation split, LoRA, pad-to-longest or packed batches (data.pack), and a `from_pretrained`
-output folder that carries the tokenizer files byte for byte. A task (sft.py, classify.py) adds its encoder, the
-transformers auto class it loads, and its loss.
+"""Fine-tuning, shared: what every task on a pretrained Hugging Face model has in common
+(`PretrainedTask`): the model's own tokenizer (nothing is retrained), the records (files or the
+Python API's lists), the held-out validation split, LoRA, pad-to-longest or packed batches
+(data.pack), and a `from_pretrained` output folder that carries the tokenizer files byte for
+byte. A task (sft.py, classify.py, seq2seq.py, the families' folders) adds its encoder, the
+transformers auto class it loads, and its loss. (models/hf.py loads and saves Hugging Face
+models; this module is the fine-tuning task around one.)
 
 The records are encoded once, by the launcher, into a cache keyed by everything that changes them
 (data/encoded.py): the workers, and the next run on the same data, map it instead of loading the
@@ -296,9 +298,8 @@ class PretrainedTask(Task):
         round the sum to 4 bits again)."""
         from ..models.hf import HFArgs, build_hf
         from .lora import apply_lora
-        base = build_hf(HFArgs(self.cfg.model.path, len(self.tokenizer),
-                               auto_class=self.auto_class,
-                               trust_remote_code=self.cfg.model.trust_remote_code))
+        base = build_hf(HFArgs.of(self.cfg.model, len(self.tokenizer),
+                                  auto_class=self.auto_class, quantized=False))
         return apply_lora(base, self.cfg.model.lora, task_type=self.lora_task_type)
 
     def describe(self, n_params: int) -> str:
