@@ -32,7 +32,7 @@ TWO_WORKERS = {"trainer.devices": "cpu:2", "trainer.batch_size": 4,
                "trainer.global_batch_size": 8, "trainer.eval_samples": 37}
 LOGGED = {"trainer.devices": "cpu:2", "trainer.max_steps": 30, "trainer.log_every": 5,
           "trainer.eval_every": 10, "trainer.eval_samples": 64, "trainer.progress_bar": True,
-          "optim.lr": 3e-3}
+          "optim.lr": 3e-3, "log.report": True, "log.tensorboard": True}
 
 
 @dataclass(frozen=True)

@@ -57,13 +57,19 @@ def default_cache_of_the_session(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = before
 
 
+# report.png (matplotlib: ~1.2 s of CPU per run) and TensorBoard events: off in the runs the
+# tests build from their own arguments, on where a test reads them (tests/_runs.LOGGED,
+# test_report.py) and in every command the docs print (run as printed)
+QUIET_RECORDS = {"log.report": False, "log.tensorboard": False}
+
+
 def tiny_overrides(corpus_dir: Path, cache_dir: Path, **extra) -> list[str]:
     """A model and data small enough for a 10-step run in a couple of seconds."""
     base = {"model.preset": "tiny", "data.source": str(corpus_dir), "data.vocab_size": 384,
             "data.seq_length": 32, "data.cache_dir": str(cache_dir), "trainer.max_steps": 10,
             "trainer.log_every": 1, "trainer.eval_every": 1000, "trainer.batch_size": 4,
             "trainer.progress_bar": False, "optim.warmup_steps": 2,
-            "distributed.timeout_s": 60}
+            "distributed.timeout_s": 60, **QUIET_RECORDS}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from tests.conftest import make_hf_llama, make_hf_tokenizer
+from tests.conftest import QUIET_RECORDS, make_hf_llama, make_hf_tokenizer
 from tests.e2e._tiny_model import write_jsonl
 
 WORDS = ("the a red blue green small big cat dog bird runs sits sees eats near under over "
@@ -62,7 +62,7 @@ def small_run_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) 
             "trainer.batch_size": 4, "trainer.global_batch_size": 8, "trainer.max_steps": 10,
             "trainer.log_every": 1, "trainer.eval_every": 1000, "trainer.progress_bar": "false",
             "optim.lr": 3e-3, "optim.warmup_steps": 0, "distributed.timeout_s": 60,
-            "run.dir": str(run_dir), **extra}
+            **QUIET_RECORDS, "run.dir": str(run_dir), **extra}
     return ["train"] + [f"{k}={v}" for k, v in base.items()]
 
 

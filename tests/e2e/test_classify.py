@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import cli_run, make_hf_llama, read_metrics, read_summary, run_cli
+from tests.conftest import (
+    QUIET_RECORDS,
+    cli_run,
+    make_hf_llama,
+    read_metrics,
+    read_summary,
+    run_cli,
+)
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(600)]
@@ -60,7 +67,7 @@ def _args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[s
             "trainer.global_batch_size": 16, "trainer.max_steps": 10, "trainer.log_every": 1,
             "trainer.eval_every": 1000, "trainer.progress_bar": "false", "optim.lr": 3e-3,
             "optim.warmup_steps": 3, "optim.min_lr": 3e-4, "distributed.timeout_s": 60,
-            "run.dir": str(run_dir)}
+            **QUIET_RECORDS, "run.dir": str(run_dir)}
     base.update(extra)
     return ["train"] + [f"{k}={v}" for k, v in base.items()]
 

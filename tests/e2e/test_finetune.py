@@ -17,6 +17,7 @@ import torch
 
 from tests._runs import Run, tiny_run, trained_run
 from tests.conftest import (
+    QUIET_RECORDS,
     REPO,
     cli_error,
     cli_run,
@@ -60,7 +61,7 @@ def _settings(model: Path, train: Path, val: Path, **extra) -> dict:
             "trainer.devices": "cpu:2", "trainer.batch_size": 4,
             "trainer.global_batch_size": 16, "trainer.max_steps": 40, "trainer.log_every": 10,
             "trainer.eval_every": 1000, "trainer.progress_bar": "false", "optim.lr": 3e-3,
-            "optim.warmup_steps": 5, "distributed.timeout_s": 60, **extra}
+            "optim.warmup_steps": 5, "distributed.timeout_s": 60, **QUIET_RECORDS, **extra}
 
 
 def _finetune_args(model: Path, train: Path, val: Path, run_dir: Path, **extra) -> list[str]:

@@ -26,7 +26,7 @@ import pytest
 from paratrain.config import registry
 from tests._runs import Run, trained_run
 from tests._shared import held
-from tests.conftest import REPO, read_metrics, read_summary, run_cli
+from tests.conftest import QUIET_RECORDS, REPO, read_metrics, read_summary, run_cli
 from tests.distributed._snapshot_helpers import assert_bit_identical, interrupted_copy
 from tests.e2e._doc_blocks import doc_blocks
 from tests.e2e._preference_data import labelled_rows, preference_rows, write_jsonl
@@ -186,7 +186,7 @@ ROWS: dict[tuple[str, str], Row] = {  # (data.format, trainer.objective) -> its 
 TWO = {"trainer.devices": "cpu:2", "trainer.batch_size": 4, "trainer.global_batch_size": 8,
        "trainer.max_steps": STEPS, "trainer.log_every": 1, "trainer.eval_every": 1000,
        "trainer.progress_bar": "false", "checkpoint.every_steps": EVERY,
-       "checkpoint.record_samples": "true", "distributed.timeout_s": 60}
+       "checkpoint.record_samples": "true", "distributed.timeout_s": 60, **QUIET_RECORDS}
 # the rows' processes import the RL rows' reward function (tests.e2e._grpo_rewards) from here
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
 # the same global batch on one process, in two micro-batches: gradient accumulation, the setting
