@@ -124,18 +124,24 @@ def leak_check(out: Path) -> dict:
             "leaks": worst > 1e-4}
 
 
+def timed(args: list[str], tool: str) -> tuple[float, float]:
+    """(wall seconds, the load average before) of one command, which must succeed."""
+    before, t0 = load(), time.perf_counter()
+    r = subprocess.run(args, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"{tool} failed:\n{r.stderr[-3000:]}")
+    return wall, before
+
+
 def run_paratrain(out: Path, k: int) -> dict:
     run_dir = out / "runs" / f"paratrain-packed-{k}"
     args = [sys.executable, "-m", "paratrain", "train", *PARATRAIN,
             f"model.path={out / 'tiny-llama'}", f"data.source={out / 'train.jsonl'}",
             f"data.val_source={out / 'val.jsonl'}", f"data.cache_dir={out / 'cache'}",
             f"run.dir={run_dir}"]
-    before, t0 = load(), time.perf_counter()
-    r = subprocess.run(args, capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    wall = time.perf_counter() - t0
-    if r.returncode != 0:
-        raise SystemExit(f"paratrain failed:\n{r.stderr[-3000:]}")
+    wall, before = timed(args, "paratrain")
     s = json.loads((run_dir / "summary.json").read_text())
     return {"tool": "paratrain packed", "round": k, "command_s": round(wall, 1),
             "train_s": round(s["train_s"], 1), "steps": s["steps"],
@@ -148,12 +154,7 @@ def run_trl(out: Path, k: int) -> dict:
     run_dir = out / "runs" / f"trl-packed-{k}"
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
             "--master_port=29533", __file__, "--out", str(out), "--worker", str(run_dir)]
-    before, t0 = load(), time.perf_counter()
-    r = subprocess.run(args, capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    wall = time.perf_counter() - t0
-    if r.returncode != 0:
-        raise SystemExit(f"TRL failed:\n{r.stderr[-3000:]}")
+    wall, before = timed(args, "TRL")
     s = json.loads((run_dir / "trl.json").read_text())
     return {"tool": "TRL SFTTrainer packed", "round": k, "command_s": round(wall, 1),
             "train_s": round(s["train_s"], 1), "steps": s["steps"], "attn": s["attn"],
