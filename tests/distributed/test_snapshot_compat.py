@@ -37,8 +37,7 @@ def _args(run_dir: Path, cache_dir: Path) -> list[str]:
             "trainer.batch_size=2", "trainer.global_batch_size=8", "trainer.max_steps=8",
             "trainer.log_every=1", "trainer.eval_every=1000", "trainer.progress_bar=false",
             "optim.warmup_steps=2", "checkpoint.every_steps=4", "checkpoint.async_save=false",
-            "distributed.timeout_s=60", "log.report=false", "log.tensorboard=false",
-            f"run.dir={run_dir}"]
+            "distributed.timeout_s=60", f"run.dir={run_dir}"]
 
 
 def _tensors(snapshot: Path, out: Path) -> dict:
