@@ -73,6 +73,22 @@ def wait_for(cond: Callable[[], object], proc: subprocess.Popen, timeout: float 
     pytest.fail(f"timed out waiting for {what}")
 
 
+def killed_and_rerun(args: list[str], cwd: Path, run_dir: Path, until: Callable[[], object],
+                     what: str, wait_s: float = 120, rerun_s: float = 240) -> int:
+    """`paratrain ARGS` SIGKILLed whole once `until()` holds (it must have left no summary),
+    then the very same command run to its end: the step it resumed from (the newest committed
+    snapshot)."""
+    proc = start_cli(args, cwd)
+    wait_for(until, proc, timeout=wait_s, what=what)
+    kill_job(proc)
+    newest = committed_steps(run_dir / "checkpoints")[-1]
+    assert not (run_dir / "summary.json").exists()
+    r = run_cli(args, cwd=cwd, timeout=rerun_s)  # the same command again
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from step {newest} " in r.stderr
+    return newest
+
+
 def steps_logged(run_dir: Path) -> int:
     try:
         return len((run_dir / "metrics.jsonl").read_text().splitlines())

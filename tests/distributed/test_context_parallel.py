@@ -18,8 +18,7 @@ from paratrain.launch.environment import free_port
 from tests.conftest import read_metrics, read_summary, run_cli
 from tests.distributed import _cp_workers
 from tests.distributed._snapshot_helpers import args_for, assert_bit_identical, \
-    committed_steps, interrupted_copy, kill_job, reference_run, samples, start_cli, wait_for, \
-    weights
+    committed_steps, interrupted_copy, killed_and_rerun, reference_run, samples, weights
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -114,15 +113,8 @@ def test_a_killed_cp_run_started_again_resumes_bit_identical(request, tmp_path):
     f = request.getfixturevalue
     args = args_for(f("corpus_dir"), f("cache_dir"), "killed", **CP2)
     run_dir = tmp_path / "runs" / "killed"
-    proc = start_cli(args, tmp_path)
-    wait_for(lambda: committed_steps(run_dir / "checkpoints"), proc, timeout=600,
-             what="a committed snapshot")
-    kill_job(proc)
-    newest = committed_steps(run_dir / "checkpoints")[-1]
-    assert not (run_dir / "summary.json").exists()
-    r = run_cli(args, cwd=tmp_path, timeout=300)  # the same command again
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed from step {newest} " in r.stderr
+    killed_and_rerun(args, tmp_path, run_dir, lambda: committed_steps(run_dir / "checkpoints"),
+                     "a committed snapshot", wait_s=600, rerun_s=300)
     assert_bit_identical(run_dir, source)
 
 

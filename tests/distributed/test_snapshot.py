@@ -21,6 +21,7 @@ from tests.distributed._snapshot_helpers import (
     committed_steps,
     interrupted_copy,
     kill_job,
+    killed_and_rerun,
     reference_run,
     samples,
     steps_logged,
@@ -46,16 +47,10 @@ def test_reference_run_keeps_the_last_committed_snapshots(ref):
 def test_killed_job_rerun_resumes_bit_identical(tmp_path, ref, corpus_dir, cache_dir):
     args = args_for(corpus_dir, cache_dir, "killed")
     run_dir = tmp_path / "runs" / "killed"
-    proc = start_cli(args, tmp_path)
-    wait_for(lambda: committed_steps(run_dir / "checkpoints") and steps_logged(run_dir) >= 10,
-             proc, what="step 10 with a committed snapshot")
-    kill_job(proc)
-    newest = committed_steps(run_dir / "checkpoints")[-1]
-    assert not (run_dir / "summary.json").exists()
-
-    r = run_cli(args, cwd=tmp_path, timeout=240)  # the same command again
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed from step {newest} " in r.stderr
+    newest = killed_and_rerun(
+        args, tmp_path, run_dir,
+        lambda: committed_steps(run_dir / "checkpoints") and steps_logged(run_dir) >= 10,
+        "step 10 with a committed snapshot")
     assert read_summary(run_dir)["resumed_from"]["step"] == newest
     assert_bit_identical(run_dir, ref)
 
