@@ -50,8 +50,9 @@ def test_plan_predicts_the_measured_peak(tmp_path, corpus_dir, cache_dir, preset
     predicted = json.loads(plan.stdout)["rows"][0]  # one device: the single row
     assert predicted["strategy"] == "single", predicted
     run = train_on_gpu(tmp_path, corpus_dir, cache_dir, **over)
-    measured = read_summary(run)["memory"][0]["peak_bytes"]  # torch.cuda.max_memory_allocated
+    entry = read_summary(run)["memory"][0]
+    measured = entry["peak_bytes"]  # torch.cuda.max_memory_allocated
     error = predicted["device_bytes"] / measured - 1
     assert abs(error) <= 0.15, (f"{preset}: plan says {predicted['device_bytes'] / 2**20:.0f} "
                                 f"MiB, the run peaked at {measured / 2**20:.0f} MiB "
-                                f"({100 * error:+.1f}%)")
+                                f"({100 * error:+.1f}%); plan {predicted}; run {entry}")
