@@ -19,8 +19,8 @@ import torch
 from .config.tree import TrainConfig
 from .errors import ConfigError, DataError
 from .parallel.dims import ParallelDims
-from .parallel.memory_estimate import Choice, Estimate, choose, device_capacity, estimate, \
-    pipeline_estimate
+from .parallel.memory_estimate import Choice, Estimate, choose, device_capacity, \
+    device_workspace, estimate, pipeline_estimate
 from .parallel.layout import resolve_layout
 from .parallel.pipeline import check_schedule, resolve_pipeline_parallel
 from .parallel.strategies import Parallelism
@@ -123,7 +123,8 @@ def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.
                     micro_batch=tr.batch_size, seq_length=probe.seq_length,
                     vocab_size=probe.vocab_size, reshard_after_forward=tr.reshard_after_forward,
                     shard_group_size=tr.shard_group_size or local_world_size,
-                    frozen_factory=probe.build_frozen, cache=probe.cache)
+                    frozen_factory=probe.build_frozen, cache=probe.cache,
+                    workspace=device_workspace(device))
     capacity = device_capacity(device, local_world_size) if capacity is None else capacity
     return choose(rows, capacity, lambda: auto_pipelines(
         cfg, task, world_size=world_size, local_world_size=local_world_size, device=device))

@@ -47,6 +47,10 @@ class SavedTensorMeter:
     def bytes(self) -> int:
         return sum(self._seen.values())
 
+    def bytes_of(self, storages: Iterable[Any]) -> int:
+        """The saved bytes of these storages (as `_storage_ptr` names them)."""
+        return sum(self._seen.get(s, 0) for s in storages)
+
     def __enter__(self) -> "SavedTensorMeter":
         self._ctx.__enter__()
         return self
