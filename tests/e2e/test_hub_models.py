@@ -211,34 +211,94 @@ _CONFIG_CODE = '''from transformers import LlamaConfig
 class TinyCodeConfig(LlamaConfig):
     model_type = "tiny-code"
 '''
-_MODEL_CODE = '''from transformers import LlamaForCausalLM
+_MODEL_CODE = '''from torch import nn
+from transformers import (LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel,
+                          LlamaPreTrainedModel)
 
 from .configuration_tiny import TinyCodeConfig
 
 
 class TinyCodeForCausalLM(LlamaForCausalLM):
     config_class = TinyCodeConfig
+
+
+class TinyCodeForSequenceClassification(LlamaForSequenceClassification):
+    config_class = TinyCodeConfig
+
+    def __init__(self, config):  # its own body (transformers' AutoModel does not know the config)
+        LlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = LlamaModel(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+'''
+
+
+def _model_with_its_own_code(tmp_path, pairs_llama):
+    """A copy of the tiny Llama whose config.json names classes of its own (auto_map): a causal
+    LM and a one-score sequence classifier."""
+    import shutil
+    model = tmp_path / "custom"
+    shutil.copytree(pairs_llama, model)
+    (model / "configuration_tiny.py").write_text(_CONFIG_CODE)
+    (model / "modeling_tiny.py").write_text(_MODEL_CODE)
+    info = json.loads((model / "config.json").read_text())
+    info.update(model_type="tiny-code", architectures=["TinyCodeForCausalLM"], num_labels=1,
+                auto_map={"AutoConfig": "configuration_tiny.TinyCodeConfig",
+                          "AutoModelForCausalLM": "modeling_tiny.TinyCodeForCausalLM",
+                          "AutoModelForSequenceClassification":
+                              "modeling_tiny.TinyCodeForSequenceClassification"})
+    (model / "config.json").write_text(json.dumps(info))
+    return model
+
+
+# every loader a task runs on its folders, given model.trust_remote_code=true
+_LOADERS = '''
+import sys, types
+from paratrain.tasks.classify import load_classifier
+from paratrain.tasks.preference.dpo import _FrozenProbe, _PairProbe
+from paratrain.tasks.preference.reward import RewardTask
+from paratrain.tasks.rl.memory import FrozenProbe, GenerationCache, GroupProbe
+from paratrain.tasks.rl.reward_models import load_reward_model
+folder = sys.argv[1]
+ns = types.SimpleNamespace
+cfg = ns(model=ns(path=folder, trust_remote_code=True, lora=ns(r=0)),
+         rl=ns(reward_models=[folder], num_generations=2, max_new_tokens=4),
+         trainer=ns(precision="fp32"))
+RewardTask.check_model(cfg)
+GenerationCache.of(cfg, 8)
+built = [load_classifier(folder, ["a", "b"], 0, 8, True), load_reward_model(folder, True),
+         GroupProbe(cfg, 2)().model, _PairProbe(cfg, folder)().model,
+         *FrozenProbe(cfg, True)().values(), *_FrozenProbe(cfg, folder)().values()]
+print(" ".join(type(m).__name__ for m in built))
 '''
 
 
 def test_a_model_with_its_own_code_trains_only_when_trusted(capsys, tmp_path, pairs_llama):
     """A folder whose config.json names its own classes (auto_map): one line without
     model.trust_remote_code=true; with it, a real process loads that code and trains."""
-    import shutil
-
     from tests.conftest import cli_error
-    model = tmp_path / "custom"
-    shutil.copytree(pairs_llama, model)
-    (model / "configuration_tiny.py").write_text(_CONFIG_CODE)
-    (model / "modeling_tiny.py").write_text(_MODEL_CODE)
-    info = json.loads((model / "config.json").read_text())
-    info.update(model_type="tiny-code", architectures=["TinyCodeForCausalLM"], auto_map={
-        "AutoConfig": "configuration_tiny.TinyCodeConfig",
-        "AutoModelForCausalLM": "modeling_tiny.TinyCodeForCausalLM"})
-    (model / "config.json").write_text(json.dumps(info))
+    model = _model_with_its_own_code(tmp_path, pairs_llama)
     args = _args(tmp_path, "code", _pairs(tmp_path), **{"model.path": model})
     assert "model.trust_remote_code=true" in cli_error(capsys, args)
     r = run_cli(args + ["model.trust_remote_code=true"], cwd=tmp_path, timeout=300,
                 env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "modules").is_dir()  # transformers ran the folder's code
+
+
+def test_every_tasks_loaders_run_a_trusted_folders_own_code(tmp_path, pairs_llama):
+    """model.trust_remote_code reaches every loader a task runs on its folders (classifier,
+    reward model check and load, online RL's memory probes and KV-cache shape, DPO's probes),
+    not only the fine-tuning model's: each builds the folder's own classes."""
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+    model = _model_with_its_own_code(tmp_path, pairs_llama)
+    r = subprocess.run([sys.executable, "-c", _LOADERS, str(model)], capture_output=True,
+                       text=True, timeout=240,
+                       env=cli_env({"HF_MODULES_CACHE": str(tmp_path / "modules")}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    built = r.stdout.split()
+    assert len(built) == 7 and all(name.startswith("TinyCode") for name in built), built

@@ -110,6 +110,10 @@ def test_every_task_loads_with_the_model_sections_remote_code_and_quantize():
     tasks = Path(paratrain.tasks.__file__).parent
     direct = [str(f.relative_to(tasks)) for f in tasks.rglob("*.py") if "HFArgs(" in f.read_text()]
     assert direct == [], direct
+    # a folder's config likewise, through models.hf.hf_config (model.trust_remote_code)
+    raw = [str(f.relative_to(tasks)) for f in tasks.rglob("*.py")
+           if "AutoConfig.from_pretrained" in f.read_text()]
+    assert raw == [], raw
 
 
 def test_a_token_never_reaches_a_config_dump(tmp_path, offline_cache, monkeypatch):

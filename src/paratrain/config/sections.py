@@ -68,8 +68,9 @@ class ModelConfig:
     commit it stood for (config.yaml records it, so a run is reproducible)."""
     trust_remote_code: bool = False
     """Allow a model whose config.json names its own Python code (auto_map); refused otherwise,
-    since loading would run that code with your rights. Passed to transformers where pairs / chat
-    fine-tuning loads the model; the other tasks and `generate` do not load such code yet."""
+    since loading would run that code with your rights. Passed to transformers wherever a run
+    loads its folders (model.path, dpo.reference, rl.reward_models), for every task; `paratrain
+    generate` on a finished run's folder does not run such code yet."""
     preset: Optional[str] = "small"
     """A shape that fills the unset sizes below: tiny, small (~6.5M), medium (~16M), base
     (~125M), large (~350M), llama3-8b, llama3-70b, llama3-405b (Llama 3's published shapes)."""

@@ -44,6 +44,20 @@ class HFArgs:
                    trust_remote_code=model.trust_remote_code)
 
 
+def remote_code(trust: bool) -> dict:
+    """transformers' `trust_remote_code` argument for model.trust_remote_code: every load of a
+    run's folders passes it, so a model that ships its own code loads everywhere or nowhere."""
+    return {"trust_remote_code": True} if trust else {}
+
+
+def hf_config(path: Any, trust_remote_code: bool = False, **changes: Any) -> Any:
+    """The folder's AutoConfig, local files only; `changes` override its fields."""
+    import transformers
+    return transformers.AutoConfig.from_pretrained(Path(str(path)).expanduser(),
+                                                   local_files_only=True,
+                                                   **remote_code(trust_remote_code), **changes)
+
+
 def build_hf(args: HFArgs) -> nn.Module:
     try:
         import transformers
@@ -51,8 +65,8 @@ def build_hf(args: HFArgs) -> nn.Module:
         raise ConfigError("model.arch=hf needs the transformers package: "
                           "pip install 'paratrain[hf]'") from None
     p = Path(args.path).expanduser()
-    remote = {"trust_remote_code": True} if args.trust_remote_code else {}
-    config = transformers.AutoConfig.from_pretrained(p, local_files_only=True, **remote)
+    remote = remote_code(args.trust_remote_code)
+    config = hf_config(p, args.trust_remote_code)
     if getattr(config, "vocab_size", args.vocab_size) < args.vocab_size:
         raise ConfigError(f"model.path={args.path!r} has vocab_size={config.vocab_size}, smaller "
                           f"than the tokenizer's {args.vocab_size}; raise it in config.json or "

@@ -24,7 +24,7 @@ from torch import nn
 from ..config.tree import TrainConfig
 from ..errors import ConfigError
 from ..formatting import human_count
-from ..models.hf import loads_weights, quiet_transformers
+from ..models.hf import hf_config, loads_weights, quiet_transformers, remote_code
 from .base import NO_FROZEN, Frozen, to_device, training_smoothing
 from .finetuning import Encoder, PretrainedTask
 
@@ -52,7 +52,8 @@ class ClassifyTask(PretrainedTask):
         """The pretrained model with a classification head for these labels (a new head,
         initialized from the seeded RNG, unless the folder already has one of the same size)."""
         return load_classifier(self.cfg.model.path, self.label_names,
-                               self.tokenizer.pad_token_id, len(self.tokenizer))
+                               self.tokenizer.pad_token_id, len(self.tokenizer),
+                               self.cfg.model.trust_remote_code)
 
     def head_config(self) -> dict:
         return {"num_labels": len(self.label_names)}
@@ -128,10 +129,10 @@ class EncodeLabelled(Encoder):
 
 
 def load_classifier(path: Optional[str], label_names: Sequence[str], pad_id: int,
-                    vocab_size: int) -> nn.Module:
+                    vocab_size: int, trust_remote_code: bool = False) -> nn.Module:
     """AutoModelForSequenceClassification from a local folder (safetensors only, nothing
     downloaded) with `len(label_names)` classes named in its config; a folder with config.json
-    alone gives fresh weights."""
+    alone gives fresh weights. `trust_remote_code`: model.trust_remote_code."""
     try:
         import transformers
     except ImportError:
@@ -141,7 +142,8 @@ def load_classifier(path: Optional[str], label_names: Sequence[str], pad_id: int
     names = [str(n) for n in label_names]
     labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),
               "label2id": {n: i for i, n in enumerate(names)}, "pad_token_id": pad_id}
-    config = transformers.AutoConfig.from_pretrained(p, local_files_only=True)
+    remote = remote_code(trust_remote_code)
+    config = hf_config(p, trust_remote_code)
     if getattr(config, "is_encoder_decoder", False):
         raise ConfigError(f"model.path={path!r} is an encoder-decoder model "
                           f"({config.model_type}); classification supports encoder-only and "
@@ -153,10 +155,10 @@ def load_classifier(path: Optional[str], label_names: Sequence[str], pad_id: int
     try:
         if loads_weights(p):
             return auto.from_pretrained(p, local_files_only=True, use_safetensors=True,
-                                        ignore_mismatched_sizes=True, **labels)
+                                        ignore_mismatched_sizes=True, **labels, **remote)
         for key, value in labels.items():
             setattr(config, key, value)
-        return auto.from_config(config)
+        return auto.from_config(config, **remote)
     except ValueError as e:  # "Unrecognized configuration class ... for this kind of AutoModel"
         if "Unrecognized configuration class" not in str(e):
             raise

@@ -30,7 +30,7 @@ from ..dist import DistEnv
 from ..errors import ConfigError
 from ..fileio import atomic_dir
 from ..formatting import human_count
-from ..models.hf import make_portable, quiet_transformers
+from ..models.hf import hf_config, make_portable, quiet_transformers, remote_code
 from .base import MemoryProbe, Task, TaskRecords
 from .neftune import PackedNEFTune, neftune_noise  # noqa: F401 (imported from here too)
 
@@ -235,12 +235,10 @@ class PretrainedTask(Task):
         a worker starts; None when transformers cannot build it (loading then says why)."""
         import transformers
         try:
-            remote = {"trust_remote_code": True} if cfg.model.trust_remote_code else {}
-            config = transformers.AutoConfig.from_pretrained(
-                Path(str(cfg.model.path)).expanduser(), local_files_only=True, **remote,
-                **config_changes)
+            config = hf_config(cfg.model.path, cfg.model.trust_remote_code, **config_changes)
             with torch.device("meta"):
-                return getattr(transformers, cls.auto_class).from_config(config, **remote)
+                return getattr(transformers, cls.auto_class).from_config(
+                    config, **remote_code(cfg.model.trust_remote_code))
         except (OSError, ValueError):
             return None
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from ...data.dataset import IGNORE_INDEX
 from ...formatting import human_count
+from ...models.hf import hf_config, remote_code
 from ..base import NO_FROZEN, Frozen, MemoryProbe, per_sequence, sequence_logps, to_device
 from ..sft import CausalLMTask
 from ..finetuning import Encoder
@@ -237,8 +238,9 @@ class _PairProbe:
         import transformers
 
         from ..lora import apply_lora
-        config = transformers.AutoConfig.from_pretrained(self.path, local_files_only=True)
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        trust = self.cfg.model.trust_remote_code
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(self.path, trust),
+                                                              **remote_code(trust))
         if self.cfg.model.lora.r > 0:
             model = apply_lora(model, self.cfg.model.lora)
         return _BothRows(model)
@@ -247,8 +249,9 @@ class _PairProbe:
 class _FrozenProbe(_PairProbe):
     def __call__(self) -> dict[str, nn.Module]:  # type: ignore[override]
         import transformers
-        config = transformers.AutoConfig.from_pretrained(self.path, local_files_only=True)
-        return {"reference": transformers.AutoModelForCausalLM.from_config(config)}
+        trust = self.cfg.model.trust_remote_code
+        return {"reference": transformers.AutoModelForCausalLM.from_config(
+            hf_config(self.path, trust), **remote_code(trust))}
 
 
 class _BothRows(nn.Module):

@@ -30,6 +30,7 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...formatting import human_count
+from ...models.hf import hf_config
 from ..base import NO_FROZEN, Frozen, to_device
 from ..classify import load_classifier
 from ..finetuning import Encoder, PretrainedTask, quiet_transformers
@@ -50,15 +51,15 @@ class RewardTask(PairTask, PretrainedTask):
         before any worker starts."""
         import transformers
         quiet_transformers()
-        config = transformers.AutoConfig.from_pretrained(Path(cfg.model.path).expanduser(),
-                                                         local_files_only=True)
+        config = hf_config(cfg.model.path, cfg.model.trust_remote_code)
         heads = transformers.AutoModelForSequenceClassification._model_mapping
         if getattr(config, "is_encoder_decoder", False):
             raise ConfigError(f"model.path={cfg.model.path!r} ({config.model_type}) is an "
                               "encoder-decoder model; paratrain trains reward models on "
                               "decoder-only or encoder-only models (one score from the last "
                               "token), not on encoder-decoder ones: use such a model")
-        if type(config) not in heads:
+        own = "AutoModelForSequenceClassification" in (getattr(config, "auto_map", None) or {})
+        if type(config) not in heads and not own:  # own: the folder's code has the head
             raise ConfigError(f"model.path={cfg.model.path!r} ({config.model_type}) has no "
                               "sequence-classification head in transformers (AutoModelFor"
                               "SequenceClassification), so it cannot be a reward model; use a "
@@ -90,7 +91,7 @@ class RewardTask(PairTask, PretrainedTask):
 
     def load_pretrained(self) -> nn.Module:
         return load_classifier(self.cfg.model.path, [SCORE_LABEL], self.tokenizer.pad_token_id,
-                               len(self.tokenizer))
+                               len(self.tokenizer), self.cfg.model.trust_remote_code)
 
     def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
                      amp: ContextManager, frozen: Frozen = NO_FROZEN

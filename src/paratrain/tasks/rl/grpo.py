@@ -117,7 +117,8 @@ class GRPOTask(CausalLMTask):
         """The reward models (rl.reward_models), and the reference when rl.beta > 0 and no LoRA
         (whose adapters switch off instead)."""
         from .reward_models import load_reward_model, reward_model_key
-        frozen = {reward_model_key(i): load_reward_model(folder)
+        frozen = {reward_model_key(i): load_reward_model(folder,
+                                                         self.cfg.model.trust_remote_code)
                   for i, folder in enumerate(self.cfg.rl.reward_models)}
         if self.kl_coef != 0.0 and not self.lora:
             from ...models.hf import HFArgs, build_hf

@@ -9,11 +9,12 @@ peak holds the larger of the two."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from ...models.hf import hf_config, remote_code
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,7 @@ class GenerationCache:
 
     @classmethod
     def of(cls, cfg: Any, prompt_tokens: int) -> "GenerationCache":
-        import transformers
-        config = transformers.AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        config = hf_config(cfg.model.path, cfg.model.trust_remote_code)
         text = config.get_text_config()
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -66,9 +66,9 @@ class GroupProbe:
         import transformers
 
         from ..lora import apply_lora
-        config = transformers.AutoConfig.from_pretrained(self.cfg.model.path,
-                                                         local_files_only=True)
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        trust = self.cfg.model.trust_remote_code
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_config(self.cfg.model.path, trust), **remote_code(trust))
         if self.cfg.model.lora.r > 0:
             model = apply_lora(model, self.cfg.model.lora)
         return _GroupRows(model, self.rows)
@@ -84,13 +84,13 @@ class FrozenProbe:
         import transformers
 
         from .reward_models import reward_model_key
-        auto = transformers.AutoConfig.from_pretrained
+        trust = self.cfg.model.trust_remote_code
         out = {reward_model_key(i): transformers.AutoModelForSequenceClassification.from_config(
-            auto(Path(folder).expanduser(), local_files_only=True))
+            hf_config(folder, trust), **remote_code(trust))
             for i, folder in enumerate(self.cfg.rl.reward_models)}
         if self.reference:
             out["reference"] = transformers.AutoModelForCausalLM.from_config(
-                auto(self.cfg.model.path, local_files_only=True))
+                hf_config(self.cfg.model.path, trust), **remote_code(trust))
         return out
 
 

@@ -24,15 +24,16 @@ def reward_model_key(i: int) -> str:
     return f"reward_model_{i}"
 
 
-def load_reward_model(folder: str) -> nn.Module:
-    """The folder's AutoModelForSequenceClassification (local safetensors only), one label."""
+def load_reward_model(folder: str, trust_remote_code: bool = False) -> nn.Module:
+    """The folder's AutoModelForSequenceClassification (local safetensors only), one label.
+    `trust_remote_code`: model.trust_remote_code."""
     import transformers
 
-    from ...models.hf import quiet_transformers
+    from ...models.hf import quiet_transformers, remote_code
     quiet_transformers()
     path = Path(folder).expanduser()
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        path, local_files_only=True, use_safetensors=True)
+        path, local_files_only=True, use_safetensors=True, **remote_code(trust_remote_code))
     if model.config.num_labels != 1:  # a classifier (config/rl.py refused other heads)
         raise ConfigError(f"rl.reward_models: {folder} is a classifier with "
                           f"{model.config.num_labels} labels; a reward model gives one score "
