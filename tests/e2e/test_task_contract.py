@@ -163,9 +163,9 @@ SAMPLED = ("reward", "completions/mean_length")  # the same completions on 1 and
 ROWS: dict[tuple[str, str], Row] = {  # (data.format, trainer.objective) -> its contract
     ("packed", "lm"): Row(_lm("packed"), layout=ACCUMULATING),
     ("padded", "lm"): Row(_lm("padded"), layout=ACCUMULATING),
-    ("pairs", "sft"): Row(lambda given: _pairs(given, given.preference_llama), plans=False),
+    ("pairs", "sft"): Row(lambda given: _pairs(given, given.preference_llama)),
     ("pairs", "seq2seq"): Row(lambda given: _pairs(given, given.t5), layout=FSDP, plans=False),
-    ("chat", "sft"): Row(_chat, plans=False),
+    ("chat", "sft"): Row(_chat),
     ("classify", "classify"): Row(_labelled("classify"), plans=False),
     ("classify", "setfit"): Row(_labelled("setfit", **{"embedding.pair_iterations": 2}),
                                    plans=False, pads=False),

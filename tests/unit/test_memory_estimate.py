@@ -56,3 +56,31 @@ def test_one_process_holds_the_larger_of_gradients_and_activations_unless_accumu
     assert accumulating.device_bytes == p + g + o + a  # the gradients outlive a forward
     on_gpu, = estimate(factory, workspace=device_workspace(torch.device("cuda")), **kw)
     assert on_gpu.device_bytes == stepping.device_bytes + CUDA_WORKSPACE_BYTES
+
+
+def test_a_fine_tunes_activations_from_one_and_two_blocks_are_the_whole_models(tmp_path):
+    """A fine-tune's model is measured cut to one block and to two and extrapolated (an 8B
+    model is never built whole on the CPU): the same bytes as the whole 4-block model's forward,
+    full and with LoRA, in fp32 and under bf16 autocast."""
+    import types
+
+    import pytest
+    transformers = pytest.importorskip("transformers")
+    from paratrain.config.sections import LoraConfig
+    from paratrain.parallel.memory_estimate import activation_bytes_per_sample
+    from paratrain.tasks.probe import CausalProbe
+    transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(tmp_path)
+    for r in (0, 4):
+        lora = LoraConfig()
+        lora.r = r
+        probe = CausalProbe(types.SimpleNamespace(model=types.SimpleNamespace(
+            path=str(tmp_path), trust_remote_code=False, lora=lora)))
+        assert probe.blocks == 4
+        for precision in ("fp32", "bf16-mixed"):
+            whole = activation_bytes_per_sample(probe, T, VOCAB, precision, False)
+            cut = activation_bytes_per_sample(probe, T, VOCAB, precision, False,
+                                              shallow=(probe, probe.blocks))
+            assert cut.of_batch(1) == whole.of_batch(1), (r, precision, cut, whole)
+            assert abs(cut.of_batch(4) / whole.of_batch(4) - 1) < 0.01, (r, precision, cut, whole)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterable, List, Optional
 
 import torch
@@ -108,6 +109,11 @@ class SavedBytes:
     def of_batch(self, micro_batch: int, sharded: bool = False) -> int:
         return (0 if sharded else self.casts) + micro_batch * self.per_sample
 
+    def extrapolated(self, two: "SavedBytes", blocks: int) -> "SavedBytes":
+        """From this model cut to one block and `two`, cut to two: the model of `blocks`."""
+        return SavedBytes(self.casts + (blocks - 1) * (two.casts - self.casts),
+                          self.per_sample + (blocks - 1) * (two.per_sample - self.per_sample))
+
 
 class _WeightCasts(TorchDispatchMode):
     """Records the storages of the copies made of the parameters (autocast's `_to_copy`)."""
@@ -125,10 +131,17 @@ class _WeightCasts(TorchDispatchMode):
 
 
 def activation_bytes_per_sample(factory: Callable[[], nn.Module], seq_length: int,
-                                vocab_size: int, precision: str, checkpointing: bool
+                                vocab_size: int, precision: str, checkpointing: bool,
+                                shallow: Optional[tuple[Callable[[int], nn.Module], int]] = None
                                 ) -> SavedBytes:
-    """Bytes saved for backward by one sample's forward (and loss), measured on the CPU."""
+    """Bytes saved for backward by one sample's forward (and loss), measured on the CPU.
+    `shallow`: (the model cut to n blocks, its blocks): measured on 1 and 2, extrapolated."""
     from .parallelize import apply_activation_checkpointing
+    if shallow is not None:
+        cut, blocks = shallow
+        one, two = (activation_bytes_per_sample(partial(cut, n), seq_length, vocab_size,
+                                                precision, checkpointing) for n in (1, 2))
+        return one.extrapolated(two, blocks)
     model = _cpu_model(factory, precision)
     if checkpointing:
         apply_activation_checkpointing(model)
@@ -159,7 +172,8 @@ def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, mi
              seq_length: int, vocab_size: int, reshard_after_forward: bool = True,
              shard_group_size: Optional[int] = None,
              frozen_factory: Optional[Callable[[], dict[str, nn.Module]]] = None,
-             cache: Any = None, accumulation: int = 1, workspace: int = 0
+             cache: Any = None, accumulation: int = 1, workspace: int = 0,
+             shallow: Optional[tuple[Callable[[int], nn.Module], int]] = None
              ) -> List[Estimate]:
     """Every candidate's bytes per device at this world size (rank 0, the fullest), in order of
     speed: replicate, shard within a node and replicate across nodes (hsdp, when
@@ -170,7 +184,8 @@ def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, mi
     (tasks/rl/memory.GenerationCache) for `micro_batch` prompts, on every device whatever the
     layout; it is freed before the training forward, so the peak holds the larger of it and the
     activations. `accumulation`: micro-batches per optimizer step (gradients outlive a forward
-    when more than one). `workspace`: the device's own working bytes (`device_workspace`)."""
+    when more than one). `workspace`: the device's own working bytes (`device_workspace`).
+    `shallow`: activations from the model cut to 1 and 2 blocks (MemoryProbe.shallow)."""
     with torch.device("meta"):
         meta = factory()
         frozen = [p.shape for m in (frozen_factory() if frozen_factory else {}).values()
@@ -181,9 +196,9 @@ def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, mi
     biggest_block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) \
         if isinstance(blocks, nn.ModuleList) else 0
     saved = activation_bytes_per_sample(factory, seq_length, vocab_size, precision,
-                                        checkpointing=False)
+                                        checkpointing=False, shallow=shallow)
     saved_ac = activation_bytes_per_sample(factory, seq_length, vocab_size, precision,
-                                           checkpointing=True)
+                                           checkpointing=True, shallow=shallow)
     gathered = 2 * biggest_block * PARAM_BYTES[precision]  # FSDP: this block's and the next's
     cached = cache.bytes(micro_batch) if cache is not None else 0
     note = cache.describe(micro_batch) if cache is not None else ""
@@ -356,10 +371,11 @@ def estimates_for_config(cfg, world: Optional[int] = None,
         vocab = cfg.model.vocab_size or cfg.data.vocab_size
         args = resolve_model_config(cfg.model, vocab_size=vocab, seq_length=cfg.data.seq_length)
         factory, seq_length = (lambda: build_model(args)), cfg.data.seq_length
-        frozen = cache = None
+        frozen = cache = shallow = None
     else:
         factory, seq_length, vocab = probe.build_model, probe.seq_length, probe.vocab_size
         frozen, cache = probe.build_frozen, probe.cache
+        shallow = (probe.shallow, probe.blocks) if probe.shallow else None
     local = local_workers or len(devices)
     override = cfg.trainer.shard_group_size  # a bad one is the error `train` would give
     group = shard_group(world, local, override) if override is not None else local
@@ -368,7 +384,7 @@ def estimates_for_config(cfg, world: Optional[int] = None,
                     vocab_size=vocab, reshard_after_forward=cfg.trainer.reshard_after_forward,
                     shard_group_size=group, frozen_factory=frozen, cache=cache,
                     accumulation=_accumulation(cfg.trainer, world),
-                    workspace=device_workspace(device or devices[0]))
+                    workspace=device_workspace(device or devices[0]), shallow=shallow)
     capacity = device_capacity(device or devices[0], local)
     return rows, capacity, choose(rows, capacity)
 

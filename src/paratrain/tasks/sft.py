@@ -14,13 +14,13 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 from torch import nn
 
 from ..config.model_folder import refuse_encoder_decoder
 from ..config.tree import TrainConfig
-from .base import TokenLoss
+from .base import MemoryProbe, TokenLoss
 from .finetuning import Encoder, PretrainedTask
 
 
@@ -45,6 +45,17 @@ class CausalLMTask(TokenLoss, PretrainedTask):
         return _Encode(getattr(finetune, cls.encode_with), tokenizer, notes,
                        max_length=cfg.max_length, chat_template=d.chat_template,
                        system_prompt=d.system_prompt, **{k: getattr(d, k) for k in cls.record_keys})
+
+    def memory_probe(self) -> Optional[MemoryProbe]:
+        """The model (with its adapters, under LoRA) on a sample of the longest row a batch can
+        hold: the longest example, or a packed row's capacity. None for a quantized base: the
+        plan would count its weights at full precision."""
+        if self.cfg.model.quantize:
+            return None
+        from .probe import causal_probe
+        longest = self.row_capacity() if self.cfg.data.pack else \
+            int(self.token_lengths(self.train_ds).max())
+        return causal_probe(self.cfg, longest, len(self.tokenizer))
 
     def load_pretrained(self) -> nn.Module:
         from ..models.hf import HFArgs, build_hf
