@@ -256,9 +256,10 @@ def _model_with_its_own_code(tmp_path, pairs_llama):
 _LOADERS = '''
 import sys, types
 from paratrain.tasks.classify import load_classifier
-from paratrain.tasks.preference.dpo import _FrozenProbe, _PairProbe
+from paratrain.tasks.preference.dpo import _FrozenProbe
 from paratrain.tasks.preference.reward import RewardTask
-from paratrain.tasks.rl.memory import FrozenProbe, GenerationCache, GroupProbe
+from paratrain.tasks.probe import CausalProbe
+from paratrain.tasks.rl.memory import FrozenProbe, GenerationCache
 from paratrain.tasks.rl.reward_models import load_reward_model
 folder = sys.argv[1]
 ns = types.SimpleNamespace
@@ -268,7 +269,7 @@ cfg = ns(model=ns(path=folder, trust_remote_code=True, lora=ns(r=0)),
 RewardTask.check_model(cfg)
 GenerationCache.of(cfg, 8)
 built = [load_classifier(folder, ["a", "b"], 0, 8, True), load_reward_model(folder, True),
-         GroupProbe(cfg, 2)().model, _PairProbe(cfg, folder)().model,
+         CausalProbe(cfg, 2)().model, CausalProbe(cfg)(1).model,
          *FrozenProbe(cfg, True)().values(), *_FrozenProbe(cfg, folder)().values()]
 print(" ".join(type(m).__name__ for m in built))
 '''
@@ -289,8 +290,9 @@ def test_a_model_with_its_own_code_trains_only_when_trusted(capsys, tmp_path, pa
 
 def test_every_tasks_loaders_run_a_trusted_folders_own_code(tmp_path, pairs_llama):
     """model.trust_remote_code reaches every loader a task runs on its folders (classifier,
-    reward model check and load, online RL's memory probes and KV-cache shape, DPO's probes),
-    not only the fine-tuning model's: each builds the folder's own classes."""
+    reward model check and load, the plan's probes whole and cut to one block, online RL's
+    KV-cache shape, the frozen models' probes), not only the fine-tuning model's: each builds the
+    folder's own classes."""
     import subprocess
     import sys
 

@@ -20,10 +20,11 @@ from .base import MemoryProbe
 
 class CausalProbe:
     """The model from its config (random weights: only shapes and activations count), with its
-    adapters under LoRA; `blocks`: only the first that many of its blocks."""
+    adapters under LoRA, its forward run on `rows` rows a sample (a DPO pair's 2, an RL group's
+    completions); `blocks`: only the first that many of its blocks."""
 
-    def __init__(self, cfg: Any):
-        self.cfg = cfg
+    def __init__(self, cfg: Any, rows: int = 1):
+        self.cfg, self.rows = cfg, rows
 
     def __call__(self, blocks: Optional[int] = None) -> nn.Module:
         import transformers
@@ -36,7 +37,7 @@ class CausalProbe:
         model = transformers.AutoModelForCausalLM.from_config(config, **remote_code(trust))
         if self.cfg.model.lora.r > 0:
             model = apply_lora(model, self.cfg.model.lora)
-        return _Logits(model)
+        return _Rows(model, self.rows)
 
     @property
     def blocks(self) -> int:
@@ -53,19 +54,23 @@ def cut(config: Any, blocks: int) -> None:
         text.layer_types = text.layer_types[:blocks]
 
 
-def causal_probe(cfg: Any, seq_length: int, vocab_size: int) -> MemoryProbe:
-    """The plan's probe of the model a causal-LM fine-tune trains, on samples of `seq_length`."""
-    probe = CausalProbe(cfg)
-    return MemoryProbe(probe, seq_length, vocab_size, shallow=probe, blocks=probe.blocks)
+def causal_probe(cfg: Any, seq_length: int, vocab_size: int, rows: int = 1,
+                 **frozen: Any) -> MemoryProbe:
+    """The plan's probe of the causal LM a task trains (model.path), on samples of `rows` rows of
+    `seq_length` tokens; `frozen`: MemoryProbe's build_frozen and cache."""
+    probe = CausalProbe(cfg, rows)
+    return MemoryProbe(probe, seq_length, vocab_size, shallow=probe, blocks=probe.blocks,
+                       **frozen)
 
 
-class _Logits(nn.Module):
-    """(1, T) ids -> (1, T, V) logits: what the plan's forward and loss take."""
+class _Rows(nn.Module):
+    """(1, T) ids -> the (1, T, V) logits of the first row, after a forward of `rows` rows: what
+    the plan's forward and loss take."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, rows: int):
         super().__init__()
-        self.model = model
+        self.model, self.rows = model, rows
         self._no_split_modules = getattr(model, "_no_split_modules", None)  # its blocks (AC)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx).logits  # (1, T, V)
+        return self.model(idx.repeat(self.rows, 1)).logits[:1]  # (1, T, V) of (rows, T, V)

@@ -188,9 +188,9 @@ class DPOTask(PairTask, CausalLMTask):
         longest = int(max(self.train_ds.lengths(side).max() for side in self.collate.sides))
         reference = self.cfg.dpo.reference or self.cfg.model.path
         held = self.reference in (Reference.COPY, Reference.FOLDER)
-        return MemoryProbe(_PairProbe(self.cfg, self.cfg.model.path), longest,
-                           len(self.tokenizer),
-                           build_frozen=_FrozenProbe(self.cfg, reference) if held else None)
+        from ..probe import causal_probe
+        return causal_probe(self.cfg, longest, len(self.tokenizer), rows=2,
+                            build_frozen=_FrozenProbe(self.cfg, reference) if held else None)
 
     def train_counts(self, model: nn.Module, batch: dict, device: torch.device,
                      amp: ContextManager, frozen: Frozen = NO_FROZEN
@@ -227,43 +227,17 @@ class DPOTask(PairTask, CausalLMTask):
                 f"tokenizer {self.tokenizer_dir} ({len(self.tokenizer)} tokens)")
 
 
-class _PairProbe:
-    """The memory plan's factory: the policy built from its config (random weights: only shapes
-    and activations are measured), its forward run on both rows of a pair."""
+class _FrozenProbe:
+    """The reference's factory, from its config (the plan builds it on the meta device)."""
 
     def __init__(self, cfg: Any, path: str):
         self.cfg, self.path = cfg, path
 
-    def __call__(self) -> nn.Module:
-        import transformers
-
-        from ..lora import apply_lora
-        trust = self.cfg.model.trust_remote_code
-        model = transformers.AutoModelForCausalLM.from_config(hf_config(self.path, trust),
-                                                              **remote_code(trust))
-        if self.cfg.model.lora.r > 0:
-            model = apply_lora(model, self.cfg.model.lora)
-        return _BothRows(model)
-
-
-class _FrozenProbe(_PairProbe):
-    def __call__(self) -> dict[str, nn.Module]:  # type: ignore[override]
+    def __call__(self) -> dict[str, nn.Module]:
         import transformers
         trust = self.cfg.model.trust_remote_code
         return {"reference": transformers.AutoModelForCausalLM.from_config(
             hf_config(self.path, trust), **remote_code(trust))}
-
-
-class _BothRows(nn.Module):
-    """(1, T) ids -> the logits of the first row, after a forward of the pair's two rows."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-        self._no_split_modules = getattr(model, "_no_split_modules", None)  # its blocks
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx.repeat(2, 1)).logits[:1]  # (1, T, V) of (2, T, V)
 
 
 def response_tokens(batch: dict) -> torch.Tensor:

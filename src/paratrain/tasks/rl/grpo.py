@@ -133,14 +133,15 @@ class GRPOTask(CausalLMTask):
 
     def memory_probe(self) -> Optional[MemoryProbe]:
         """For `paratrain plan` and auto: memory.py."""
-        from .memory import FrozenProbe, GenerationCache, GroupProbe
+        from ..probe import causal_probe
+        from .memory import FrozenProbe, GenerationCache
         rl = self.cfg.rl
         reference = self.kl_coef != 0.0 and not self.lora
-        return MemoryProbe(GroupProbe(self.cfg, self.group),
-                           self.train_ds.longest + rl.max_new_tokens, len(self.tokenizer),
-                           build_frozen=FrozenProbe(self.cfg, reference)
-                           if reference or rl.reward_models else None,
-                           cache=GenerationCache.of(self.cfg, self.train_ds.longest))
+        return causal_probe(self.cfg, self.train_ds.longest + rl.max_new_tokens,
+                            len(self.tokenizer), rows=self.group,
+                            build_frozen=FrozenProbe(self.cfg, reference)
+                            if reference or rl.reward_models else None,
+                            cache=GenerationCache.of(self.cfg, self.train_ds.longest))
 
     # ---- a step's completions -------------------------------------------------------------
     def rollout(self, model: nn.Module, micro: list, step: int, env: Any, amp: ContextManager,

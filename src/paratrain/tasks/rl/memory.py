@@ -1,6 +1,6 @@
-"""What `paratrain plan` (and strategy auto) measures of an online RL run (grpo.py, ppo.py): the
-policy (with its LoRA adapters) training on a prompt's rl.num_generations rows of the longest
-prompt + rl.max_new_tokens tokens, and the frozen models it holds: the reference (when the KL
+"""What `paratrain plan` (and strategy auto) measures of an online RL run (grpo.py, ppo.py) beside
+the policy (tasks/probe.py: with its LoRA adapters, on a prompt's rl.num_generations rows of the
+longest prompt + rl.max_new_tokens tokens): the frozen models it holds, the reference (when the KL
 coefficient is not 0 and there is no LoRA) and each reward model, built from their configs (no
 weights read); and generation's KV cache (`GenerationCache`), counted from the model's config:
 held while the policy samples, freed before the training forward of the same rows, so the plan's
@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from ...models.hf import hf_config, remote_code
@@ -55,25 +54,6 @@ class GenerationCache:
                 f"x {self.dtype_bytes} bytes")
 
 
-class GroupProbe:
-    """The memory plan's factory: the policy from its config, its forward run on a sample's
-    group of rows."""
-
-    def __init__(self, cfg: Any, rows: int):
-        self.cfg, self.rows = cfg, rows
-
-    def __call__(self) -> nn.Module:
-        import transformers
-
-        from ..lora import apply_lora
-        trust = self.cfg.model.trust_remote_code
-        model = transformers.AutoModelForCausalLM.from_config(
-            hf_config(self.cfg.model.path, trust), **remote_code(trust))
-        if self.cfg.model.lora.r > 0:
-            model = apply_lora(model, self.cfg.model.lora)
-        return _GroupRows(model, self.rows)
-
-
 class FrozenProbe:
     """The frozen models' factory: the reference and the reward models, from their configs."""
 
@@ -92,15 +72,3 @@ class FrozenProbe:
             out["reference"] = transformers.AutoModelForCausalLM.from_config(
                 hf_config(self.cfg.model.path, trust), **remote_code(trust))
         return out
-
-
-class _GroupRows(nn.Module):
-    """(1, T) ids -> the logits of the first row, after a forward of `rows` rows."""
-
-    def __init__(self, model: nn.Module, rows: int):
-        super().__init__()
-        self.model, self.rows = model, rows
-        self._no_split_modules = getattr(model, "_no_split_modules", None)  # its blocks
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx.repeat(self.rows, 1)).logits[:1]  # (1, T, V) of (rows, T, V)
