@@ -82,5 +82,4 @@ def test_a_fine_tunes_activations_from_one_and_two_blocks_are_the_whole_models(t
             whole = activation_bytes_per_sample(probe, T, VOCAB, precision, False)
             cut = activation_bytes_per_sample(probe, T, VOCAB, precision, False,
                                               shallow=(probe, probe.blocks))
-            assert cut.of_batch(1) == whole.of_batch(1), (r, precision, cut, whole)
-            assert abs(cut.of_batch(4) / whole.of_batch(4) - 1) < 0.01, (r, precision, cut, whole)
+            assert cut == whole, (r, precision, cut, whole)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,9 +31,11 @@ class SavedTensorMeter:
     interpreter). Parameters and repeated views of one storage are counted once, not at all for
     parameters."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, is_cast: Optional[Callable[[Any], bool]] = None):
         self._params = {_storage_ptr(_local(p)) for p in model.parameters()}
         self._seen: dict[int, int] = {}
+        self._casts: set = set()
+        self._is_cast = is_cast
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -41,15 +43,18 @@ class SavedTensorMeter:
         ptr = _storage_ptr(local)
         if ptr is not None and ptr not in self._params and not isinstance(t, nn.Parameter):
             self._seen[ptr] = local.untyped_storage().nbytes()
+            if self._is_cast is not None and self._is_cast(ptr):
+                self._casts.add(ptr)
         return t
 
     @property
     def bytes(self) -> int:
         return sum(self._seen.values())
 
-    def bytes_of(self, storages: Iterable[Any]) -> int:
-        """The saved bytes of these storages (as `_storage_ptr` names them)."""
-        return sum(self._seen.get(s, 0) for s in storages)
+    @property
+    def cast_bytes(self) -> int:
+        """The saved bytes that `is_cast` named copies of the weights when they were saved."""
+        return sum(self._seen[p] for p in self._casts)
 
     def __enter__(self) -> "SavedTensorMeter":
         self._ctx.__enter__()

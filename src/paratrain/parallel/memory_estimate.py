@@ -13,6 +13,7 @@ planned peak 49% over the measured one).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable, List, Optional
@@ -116,18 +117,23 @@ class SavedBytes:
 
 
 class _WeightCasts(TorchDispatchMode):
-    """Records the storages of the copies made of the parameters (autocast's `_to_copy`)."""
+    """Records the copies made of the parameters (autocast's `_to_copy`), weakly: a storage is a
+    copy's while that copy lives (a freed copy's address may hold an activation next)."""
 
     def __init__(self, params: Iterable[torch.Tensor]):
         super().__init__()
         self._params = {_storage_ptr(p) for p in params}
-        self.storages: set = set()
+        self._copies: dict = {}  # storage -> weakref to the copy
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and _storage_ptr(args[0]) in self._params:
-            self.storages.add(_storage_ptr(out))
+            self._copies[_storage_ptr(out)] = weakref.ref(out)
         return out
+
+    def __contains__(self, storage: Any) -> bool:
+        copy = self._copies.get(storage)
+        return copy is not None and copy() is not None
 
 
 def activation_bytes_per_sample(factory: Callable[[], nn.Module], seq_length: int,
@@ -160,12 +166,14 @@ def _saved_bytes(module: nn.Module, x: torch.Tensor, targets: Optional[torch.Ten
     """What autograd saves in `module`'s forward of x (and the loss, given `targets`)."""
     dtype = AUTOCAST.get(precision)
     amp = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    with SavedTensorMeter(module) as meter, _WeightCasts(module.parameters()) as casts, amp:
-        out = module(x)  # (1, T, V), or a pipeline stage's (1, T, C)
+    casts = _WeightCasts(module.parameters())
+    with SavedTensorMeter(module, casts.__contains__) as meter, casts, amp:
+        out = module(x)  # (1, T, V), a pipeline stage's (1, T, C) or a classifier's (1, C)
         if targets is not None:
-            torch.nn.functional.cross_entropy(out.float().flatten(0, 1), targets.flatten())
-    weights = meter.bytes_of(casts.storages)
-    return SavedBytes(weights, meter.bytes - weights)
+            scores = out.float().flatten(0, -2)  # (T, V), or a classifier's one row (1, C)
+            labels = targets.flatten()[:len(scores)] % scores.shape[-1]  # (T,) or (1,)
+            torch.nn.functional.cross_entropy(scores, labels)
+    return SavedBytes(meter.cast_bytes, meter.bytes - meter.cast_bytes)
 
 
 def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, micro_batch: int,

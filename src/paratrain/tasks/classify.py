@@ -25,7 +25,7 @@ from ..config.tree import TrainConfig
 from ..errors import ConfigError
 from ..formatting import human_count
 from ..models.hf import hf_config, loads_weights, quiet_transformers, remote_code
-from .base import NO_FROZEN, Frozen, to_device, training_smoothing
+from .base import NO_FROZEN, Frozen, MemoryProbe, to_device, training_smoothing
 from .finetuning import Encoder, PretrainedTask
 
 
@@ -57,6 +57,16 @@ class ClassifyTask(PretrainedTask):
 
     def head_config(self) -> dict:
         return {"num_labels": len(self.label_names)}
+
+    def memory_probe(self) -> Optional[MemoryProbe]:
+        """The classifier (with its adapters, under LoRA) on its longest text; None for a
+        quantized base (the plan would count its weights at full precision)."""
+        if self.cfg.model.quantize:
+            return None
+        from .probe import causal_probe
+        return causal_probe(self.cfg, int(self.token_lengths(self.train_ds).max()),
+                            len(self.tokenizer), head={
+                                **self.head_config(), "pad_token_id": self.tokenizer.pad_token_id})
 
     def count_units(self, batch: dict) -> int:
         return int(batch["labels"].numel())

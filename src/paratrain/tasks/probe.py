@@ -21,22 +21,26 @@ from .base import MemoryProbe
 class CausalProbe:
     """The model from its config (random weights: only shapes and activations count), with its
     adapters under LoRA, its forward run on `rows` rows a sample (a DPO pair's 2, an RL group's
-    completions); `blocks`: only the first that many of its blocks."""
+    completions); `blocks`: only the first that many of its blocks. `head`: a classifier's
+    (AutoModelForSequenceClassification, its config's num_labels and pad_token_id)."""
 
-    def __init__(self, cfg: Any, rows: int = 1):
-        self.cfg, self.rows = cfg, rows
+    def __init__(self, cfg: Any, rows: int = 1, head: Optional[dict] = None):
+        self.cfg, self.rows, self.head = cfg, rows, head
 
     def __call__(self, blocks: Optional[int] = None) -> nn.Module:
         import transformers
 
         from .lora import apply_lora
         trust = self.cfg.model.trust_remote_code
-        config = hf_config(self.cfg.model.path, trust)
+        config = hf_config(self.cfg.model.path, trust, **(self.head or {}))
         if blocks is not None:
             cut(config, blocks)
-        model = transformers.AutoModelForCausalLM.from_config(config, **remote_code(trust))
+        auto = transformers.AutoModelForSequenceClassification if self.head else \
+            transformers.AutoModelForCausalLM
+        model = auto.from_config(config, **remote_code(trust))
         if self.cfg.model.lora.r > 0:
-            model = apply_lora(model, self.cfg.model.lora)
+            model = apply_lora(model, self.cfg.model.lora,
+                               task_type="SEQ_CLS" if self.head else "CAUSAL_LM")
         return _Rows(model, self.rows)
 
     @property
@@ -55,17 +59,17 @@ def cut(config: Any, blocks: int) -> None:
 
 
 def causal_probe(cfg: Any, seq_length: int, vocab_size: int, rows: int = 1,
-                 **frozen: Any) -> MemoryProbe:
-    """The plan's probe of the causal LM a task trains (model.path), on samples of `rows` rows of
-    `seq_length` tokens; `frozen`: MemoryProbe's build_frozen and cache."""
-    probe = CausalProbe(cfg, rows)
+                 head: Optional[dict] = None, **frozen: Any) -> MemoryProbe:
+    """The plan's probe of the model a task trains (model.path), on samples of `rows` rows of
+    `seq_length` tokens; `head`: CausalProbe's; `frozen`: MemoryProbe's build_frozen and cache."""
+    probe = CausalProbe(cfg, rows, head)
     return MemoryProbe(probe, seq_length, vocab_size, shallow=probe, blocks=probe.blocks,
                        **frozen)
 
 
 class _Rows(nn.Module):
-    """(1, T) ids -> the (1, T, V) logits of the first row, after a forward of `rows` rows: what
-    the plan's forward and loss take."""
+    """(1, T) ids -> the (1, T, V) logits of the first row (a classifier's (1, C)), after a
+    forward of `rows` rows: what the plan's forward and loss take."""
 
     def __init__(self, model: nn.Module, rows: int):
         super().__init__()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, ContextManager
+from typing import Any, Callable, ClassVar, ContextManager, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from torch import nn
 from ...errors import ConfigError
 from ...formatting import human_count
 from ...models.hf import hf_config
-from ..base import NO_FROZEN, Frozen, to_device
+from ..base import NO_FROZEN, Frozen, MemoryProbe, to_device
 from ..classify import load_classifier
 from ..finetuning import Encoder, PretrainedTask, quiet_transformers
 from .dpo import PairEncoder, PairTask, reward_counts
@@ -88,6 +88,18 @@ class RewardTask(PairTask, PretrainedTask):
         if self.cfg.data.pack:
             score_head(model)
         return model
+
+    def memory_probe(self) -> Optional[MemoryProbe]:
+        """The one-score model (with its adapters, under LoRA) on a pair's two rows of the longest
+        sequence, or on one packed row; None for a quantized base."""
+        if self.cfg.model.quantize:
+            return None
+        from ..probe import causal_probe
+        head = {"num_labels": 1, "pad_token_id": self.tokenizer.pad_token_id}
+        if self.cfg.data.pack:
+            return causal_probe(self.cfg, self.row_capacity(), len(self.tokenizer), head=head)
+        longest = int(max(self.train_ds.lengths(side).max() for side in self.sides()))
+        return causal_probe(self.cfg, longest, len(self.tokenizer), rows=2, head=head)
 
     def load_pretrained(self) -> nn.Module:
         return load_classifier(self.cfg.model.path, [SCORE_LABEL], self.tokenizer.pad_token_id,
