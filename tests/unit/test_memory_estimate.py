@@ -67,7 +67,7 @@ def test_a_fine_tunes_activations_from_one_and_two_blocks_are_the_whole_models(t
     import pytest
     transformers = pytest.importorskip("transformers")
     from paratrain.config.sections import LoraConfig
-    from paratrain.parallel.memory_estimate import activation_bytes_per_sample
+    from paratrain.parallel.activations import activation_bytes_per_sample
     from paratrain.tasks.probe import CausalProbe
     transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -2,33 +2,25 @@
 
 State (parameters, gradients, AdamW moments) is counted exactly from the parameter shapes of the
 model built on the meta device, sharded the way FSDP2 shards (dim 0, split evenly, the first ranks
-taking the remainder). Activations are measured, not guessed: one forward of a single sample on the
-CPU counts the bytes autograd saves for backward (the same meter the training loop uses), times
-the micro-batch. That keeps the estimate right for any architecture, ours or a user's. Autocast's
-low-precision copies of the weights are saved too, but once per forward, whatever the micro-batch:
-they are counted apart (on an H100, multiplying them by a micro-batch of 4 put a 280M Llama's
-planned peak 49% over the measured one).
+taking the remainder). Activations are measured, not guessed (activations.py): one forward of a
+single sample on the CPU counts the bytes autograd saves for backward (the same meter the training
+loop uses), times the micro-batch, with autocast's weight copies once. That keeps the estimate
+right for any architecture, ours or a user's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 from torch import nn
 
 from ..formatting import human_bytes
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from .memory import SavedTensorMeter, _storage_ptr
+from .activations import SavedBytes, cpu_model, saved_bytes, activation_bytes_per_sample
 from .strategies import DDP, FSDP, HSDP, Parallelism
 
 PARAM_BYTES = {"fp32": 4, "bf16-mixed": 4, "fp16-mixed": 4, "bf16-true": 2}
-AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.bfloat16, "bf16-true": None}
 MARGIN = 0.8  # count on at most this fraction of a device
 # On a GPU a step also holds what no tensor count sees: cuBLAS's workspaces (allocated through
 # torch's caching allocator, one per handle and stream) and backward's short-lived buffers. A
@@ -96,84 +88,6 @@ def state_bytes(params: List[torch.Size], parallelism: Parallelism, world: int,
     numel = sum(parallelism.state_numel(s, world) for s in params)
     tuned = sum(parallelism.state_numel(s, world) for s in trainable)
     return numel * width, tuned * width, 2 * tuned * width + 4 * len(trainable)
-
-
-@dataclass(frozen=True)
-class SavedBytes:
-    """What one sample's forward (and loss) saves for backward: `casts`, autocast's low-precision
-    copies of the weights, made once per forward whatever the micro-batch (none under FSDP, whose
-    mixed-precision policy gathers the weights in low precision instead), and `per_sample`, the
-    rest, which grows with the micro-batch."""
-    casts: int
-    per_sample: int
-
-    def of_batch(self, micro_batch: int, sharded: bool = False) -> int:
-        return (0 if sharded else self.casts) + micro_batch * self.per_sample
-
-    def extrapolated(self, two: "SavedBytes", blocks: int) -> "SavedBytes":
-        """From this model cut to one block and `two`, cut to two: the model of `blocks`."""
-        return SavedBytes(self.casts + (blocks - 1) * (two.casts - self.casts),
-                          self.per_sample + (blocks - 1) * (two.per_sample - self.per_sample))
-
-
-class _WeightCasts(TorchDispatchMode):
-    """Records the copies made of the parameters (autocast's `_to_copy`), weakly: a storage is a
-    copy's while that copy lives (a freed copy's address may hold an activation next)."""
-
-    def __init__(self, params: Iterable[torch.Tensor]):
-        super().__init__()
-        self._params = {_storage_ptr(p) for p in params}
-        self._copies: dict = {}  # storage -> weakref to the copy
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and _storage_ptr(args[0]) in self._params:
-            self._copies[_storage_ptr(out)] = weakref.ref(out)
-        return out
-
-    def __contains__(self, storage: Any) -> bool:
-        copy = self._copies.get(storage)
-        return copy is not None and copy() is not None
-
-
-def activation_bytes_per_sample(factory: Callable[[], nn.Module], seq_length: int,
-                                vocab_size: int, precision: str, checkpointing: bool,
-                                shallow: Optional[tuple[Callable[[int], nn.Module], int]] = None
-                                ) -> SavedBytes:
-    """Bytes saved for backward by one sample's forward (and loss), measured on the CPU.
-    `shallow`: (the model cut to n blocks, its blocks): measured on 1 and 2, extrapolated."""
-    from .parallelize import apply_activation_checkpointing
-    if shallow is not None:
-        cut, blocks = shallow
-        one, two = (activation_bytes_per_sample(partial(cut, n), seq_length, vocab_size,
-                                                precision, checkpointing) for n in (1, 2))
-        return one.extrapolated(two, blocks)
-    model = _cpu_model(factory, precision)
-    if checkpointing:
-        apply_activation_checkpointing(model)
-    idx = torch.randint(0, vocab_size, (1, seq_length))  # (1, T)
-    return _saved_bytes(model, idx, idx, precision)
-
-
-def _cpu_model(factory: Callable[[], nn.Module], precision: str) -> nn.Module:
-    torch.manual_seed(0)
-    model = factory()
-    return model.to(torch.bfloat16) if precision == "bf16-true" else model
-
-
-def _saved_bytes(module: nn.Module, x: torch.Tensor, targets: Optional[torch.Tensor],
-                 precision: str) -> SavedBytes:
-    """What autograd saves in `module`'s forward of x (and the loss, given `targets`)."""
-    dtype = AUTOCAST.get(precision)
-    amp = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    casts = _WeightCasts(module.parameters())
-    with SavedTensorMeter(module, casts.__contains__) as meter, casts, amp:
-        out = module(x)  # (1, T, V), a pipeline stage's (1, T, C) or a classifier's (1, C)
-        if targets is not None:
-            scores = out.float().flatten(0, -2)  # (T, V), or a classifier's one row (1, C)
-            labels = targets.flatten()[:len(scores)] % scores.shape[-1]  # (T,) or (1,)
-            torch.nn.functional.cross_entropy(scores, labels)
-    return SavedBytes(meter.cast_bytes, meter.bytes - meter.cast_bytes)
 
 
 def estimate(factory: Callable[[], nn.Module], *, world: int, precision: str, micro_batch: int,
@@ -287,7 +201,7 @@ def pipeline_estimate(factory: Callable[[], nn.Module], pipeline: Any, *, precis
     from .pipeline import ModelPart
     from .pipeline_schedules import in_flight
     dims, last = pipeline.dims, len(pipeline.split) - 1
-    model = _cpu_model(factory, precision)
+    model = cpu_model(factory, precision)
     idx = torch.randint(0, vocab_size, (1, seq_length))  # (1, T)
     rows = []
     for r in range(dims.pp):
@@ -299,7 +213,7 @@ def pipeline_estimate(factory: Callable[[], nn.Module], pipeline: Any, *, precis
             requires_grad=True)
         held = state_bytes([p.shape for p in part.parameters()], Parallelism(), 1, precision)
         act = in_flight(pipeline.schedule, dims.pp, micro_batches, r) * \
-            _saved_bytes(part, x, idx if part.last else None, precision).of_batch(micro_batch)
+            saved_bytes(part, x, idx if part.last else None, precision).of_batch(micro_batch)
         rows.append(Estimate(pipeline, False, *held, act, act + sum(held)))
     return max(rows, key=lambda e: e.device_bytes)
 
