@@ -18,29 +18,55 @@ def _layout(world: int, local: int, *overrides: str):
                           device=torch.device("cpu"), num_layers=4)
 
 
-@pytest.mark.parametrize("world,local,overrides,dims,name", [
-    (1, 1, ["trainer.strategy=auto"], ParallelDims(), "single"),
-    (4, 4, ["trainer.strategy=ddp"], ParallelDims(dp_replicate=4), "ddp"),
-    (4, 4, ["trainer.strategy=auto"], ParallelDims(dp_replicate=4), "ddp"),
-    (4, 4, ["trainer.strategy=fsdp"], ParallelDims(dp_shard=4), "fsdp"),
-    (8, 4, ["trainer.strategy=hsdp"], ParallelDims(2, 4), "hsdp"),
-    (4, 4, ["trainer.strategy=hsdp", "trainer.shard_group_size=2"], ParallelDims(2, 2), "hsdp"),
-    (4, 4, ["trainer.strategy=hsdp"], ParallelDims(dp_shard=4), "fsdp"),  # one group: fsdp
-    (4, 4, ["trainer.tensor_parallel=2"], ParallelDims(1, 2, 2), "fsdp+tp"),  # auto: fsdp
+@pytest.mark.parametrize("world,local,overrides,dims,name,label", [
+    (1, 1, ["trainer.strategy=auto"], ParallelDims(), "single", "single"),
+    (4, 4, ["trainer.strategy=ddp"], ParallelDims(dp_replicate=4), "ddp", "ddp"),
+    (4, 4, ["trainer.strategy=auto"], ParallelDims(dp_replicate=4), "ddp", "ddp"),
+    (4, 4, ["trainer.strategy=fsdp"], ParallelDims(dp_shard=4), "fsdp", "fsdp"),
+    (4, 4, ["trainer.strategy=fsdp", "trainer.cpu_offload=true"], ParallelDims(dp_shard=4),
+     "fsdp", "fsdp+offload"),
+    (8, 4, ["trainer.strategy=hsdp"], ParallelDims(2, 4), "hsdp", "hsdp"),
+    (4, 4, ["trainer.strategy=hsdp", "trainer.shard_group_size=2"], ParallelDims(2, 2), "hsdp",
+     "hsdp"),
+    (4, 4, ["trainer.strategy=hsdp"], ParallelDims(dp_shard=4), "fsdp", "fsdp"),  # one group
+    (4, 4, ["trainer.tensor_parallel=2"], ParallelDims(1, 2, 2), "fsdp+tp", "fsdp+tp2"),  # auto
     (4, 4, ["trainer.strategy=ddp", "trainer.tensor_parallel=2"], ParallelDims(2, 1, 2),
-     "ddp+tp"),
-    (2, 2, ["trainer.tensor_parallel=2"], ParallelDims(tp=2), "tp"),
-    (4, 4, ["trainer.pipeline_parallel=2"], ParallelDims(dp_replicate=2, pp=2), "ddp+pp"),
+     "ddp+tp", "ddp+tp2"),
+    (8, 4, ["trainer.strategy=hsdp", "trainer.tensor_parallel=2"], ParallelDims(2, 2, 2),
+     "hsdp+tp", "hsdp+tp2"),
+    (2, 2, ["trainer.tensor_parallel=2"], ParallelDims(tp=2), "tp", "tp2"),
+    (4, 4, ["trainer.pipeline_parallel=2"], ParallelDims(dp_replicate=2, pp=2), "ddp+pp",
+     "ddp+pp2"),
+    (2, 2, ["trainer.pipeline_parallel=2"], ParallelDims(pp=2), "pp", "pp2"),
     (8, 8, ["trainer.strategy=fsdp", "trainer.pipeline_parallel=2", "trainer.tensor_parallel=2"],
-     ParallelDims(dp_shard=2, tp=2, pp=2), "fsdp+tp+pp"),
-    (2, 2, ["trainer.context_parallel=2"], ParallelDims(cp=2), "ddp"),
+     ParallelDims(dp_shard=2, tp=2, pp=2), "fsdp+tp+pp", "fsdp+tp2+pp2"),
+    (4, 4, ["trainer.pipeline_parallel=2", "trainer.tensor_parallel=2"],
+     ParallelDims(tp=2, pp=2), "tp+pp", "tp2+pp2"),
+    # context parallelism: its ranks sum their gradients through the data-parallel wrapper,
+    # which the name therefore states even where no data-parallel group is left (cp2, cp4)
+    (2, 2, ["trainer.context_parallel=2"], ParallelDims(cp=2), "ddp+cp", "ddp+cp2"),
+    (4, 4, ["trainer.context_parallel=4"], ParallelDims(cp=4), "ddp+cp", "ddp+cp4"),
+    (4, 4, ["trainer.strategy=ddp", "trainer.context_parallel=2"], ParallelDims(2, 1, cp=2),
+     "ddp+cp", "ddp+cp2"),
     (4, 4, ["trainer.strategy=fsdp", "trainer.context_parallel=2"], ParallelDims(1, 2, cp=2),
-     "fsdp"),
+     "fsdp+cp", "fsdp+cp2"),
+    (2, 2, ["trainer.strategy=fsdp", "trainer.context_parallel=2"], ParallelDims(cp=2),
+     "fsdp+cp", "fsdp+cp2"),
+    (8, 4, ["trainer.strategy=hsdp", "trainer.context_parallel=2"], ParallelDims(2, 2, cp=2),
+     "hsdp+cp", "hsdp+cp2"),
     (4, 4, ["trainer.tensor_parallel=2", "trainer.context_parallel=2"],
-     ParallelDims(1, 1, 2, cp=2), "tp+cp"),
+     ParallelDims(1, 1, 2, cp=2), "fsdp+tp+cp", "fsdp+tp2+cp2"),  # FSDP2 shards over the cp
+    (8, 8, ["trainer.strategy=ddp", "trainer.tensor_parallel=2", "trainer.context_parallel=2"],
+     ParallelDims(2, 1, 2, cp=2), "hsdp+tp+cp", "hsdp+tp2+cp2"),  # ... whatever was asked
 ])
-def test_each_strategy_is_a_preset_of_the_sizes(world, local, overrides, dims, name):
+def test_each_strategy_is_a_preset_of_the_sizes(world, local, overrides, dims, name, label):
+    """The sizes, and the layout's name read from them (summary.json's `strategy`, the start
+    line) and its label (`paratrain plan`'s rows): the names of the layouts without context
+    parallelism are the ones they always had."""
     layout = _layout(world, local, *overrides)
     assert layout.dims == dims and layout.dims.world == world
-    assert layout.parallelism.name == name
+    assert layout.name == name
+    assert layout.dims.layout_name(layout.parallelism.data_label, degrees=True) == label
+    if dims.cp == 1:  # the wrapper's own name and label are the layout's
+        assert (layout.parallelism.name, layout.parallelism.label) == (name, label)
     assert layout.why  # every layout says why it is this one

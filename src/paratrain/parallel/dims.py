@@ -153,6 +153,19 @@ class ParallelDims:
         """The mesh dimensions the data-parallel wrapper spans: (replicate, shard)."""
         return ("dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard")
 
+    def layout_name(self, data: str, *, degrees: bool = False) -> str:
+        """The layout's name, read from these sizes (summary.json's `strategy`, the start line,
+        `paratrain plan`'s rows with `degrees`): the data-parallel wrapper's name (`data`: ddp,
+        fsdp, hsdp; fsdp+offload in a label) when it spans more than one rank of a stage (dp x
+        cp: the ranks of a CP group sum their gradients through it too), then each other
+        dimension above one, tp, cp, pp: fsdp, ddp+cp, fsdp+tp, fsdp+tp+cp, ddp+pp, tp, cp;
+        with `degrees` each of those with its size, fsdp+tp2+cp2. One process: `data`
+        (single, or dp)."""
+        parts = [data] if self.dp_cp > 1 else []
+        parts += [f"{n}{getattr(self, n) if degrees else ''}" for n in ("tp", "cp", "pp")
+                  if getattr(self, n) > 1]
+        return "+".join(parts) or data
+
     @property
     def label(self) -> str:
         """e.g. `pp=2 x dp_replicate=2`, the dimensions above one."""

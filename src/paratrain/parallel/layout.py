@@ -39,6 +39,11 @@ class Layout:
     parallelism: Parallelism
     why: str
 
+    @property
+    def name(self) -> str:
+        """The layout's name from its sizes (dims.`layout_name`): ddp, fsdp+cp, fsdp+tp+cp..."""
+        return self.dims.layout_name(self.parallelism.data_name)
+
 
 def resolve_layout(tr: Any, *, world_size: int, local_world_size: int, device: torch.device,
                    num_layers: Optional[int] = None, planned: Any = None) -> Layout:

@@ -63,11 +63,22 @@ class PipelineParallel(Parallelism):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "pp" if self.dims.stage_world == 1 else f"{self.data.name}+pp"
+        """Every dimension above one, read from the sizes (dims.`layout_name`): pp, ddp+pp,
+        fsdp+tp+pp."""
+        return self.dims.layout_name(self.data.data_name)
 
     @property
     def label(self) -> str:
-        return f"{self.name}{self.dims.pp}"
+        """With the degrees: pp2, ddp+pp2, fsdp+tp2+pp2."""
+        return self.dims.layout_name(self.data.data_label, degrees=True)
+
+    @property
+    def data_name(self) -> str:
+        return self.data.data_name
+
+    @property
+    def data_label(self) -> str:
+        return self.data.data_label
 
     def layout(self, world: int) -> ParallelDims:
         return self.dims

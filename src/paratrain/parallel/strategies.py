@@ -104,6 +104,18 @@ class Parallelism:
     def label(self) -> str:
         return self.name
 
+    @property
+    def data_name(self) -> str:
+        """The data-parallel wrapper's name, which a layout's name starts with
+        (dims.`layout_name`): this one's own here; what wraps the data-parallel ranks under
+        tensor or pipeline parallelism."""
+        return self.name
+
+    @property
+    def data_label(self) -> str:
+        """As `data_name`, in the plan's rows (fsdp+offload)."""
+        return self.label
+
 
 @dataclass(frozen=True)
 class DataParallel(Parallelism):

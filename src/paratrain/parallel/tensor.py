@@ -46,10 +46,22 @@ class TensorParallel(FSDP):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        """`tp`, after the data-parallel strategy when there is one, then `+cp` when context
-        parallelism splits the sequences too (fsdp+tp+cp): every dimension above one."""
-        base = "tp" if self.dims.dp == 1 else f"{self.data.name}+tp"
-        return base + ("+cp" if self.dims.cp > 1 else "")
+        """Every dimension above one, read from the sizes (dims.`layout_name`): tp, fsdp+tp,
+        fsdp+tp+cp."""
+        return self.dims.layout_name(self.data_name)
+
+    @property
+    def data_name(self) -> str:
+        """What FSDP2 does over the (dp_replicate, dp_shard x cp) submesh, from its sizes: shards
+        (fsdp), replicates shard groups (hsdp), or only replicates (ddp). A CP group is sharded
+        over whichever strategy was asked."""
+        shards, replicas = self.dims.dp_shard * self.dims.cp > 1, self.dims.dp_replicate > 1
+        return "hsdp" if shards and replicas else "fsdp" if shards else \
+            "ddp" if replicas else "single"
+
+    @property
+    def data_label(self) -> str:
+        return self.data_name
 
     @property
     def sharded(self) -> bool:  # type: ignore[override]
@@ -58,8 +70,7 @@ class TensorParallel(FSDP):
     @property
     def label(self) -> str:
         """e.g. tp2, fsdp+tp4+cp2: the degrees after their dimensions."""
-        base = f"{'tp' if self.dims.dp == 1 else self.data.name + '+tp'}{self.dims.tp}"
-        return base + (f"+cp{self.dims.cp}" if self.dims.cp > 1 else "")
+        return self.dims.layout_name(self.data_label, degrees=True)
 
     def device_mesh(self, env: DistEnv) -> Any:
         return self.dims.build_mesh(env.device.type)

@@ -333,7 +333,7 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
     threads = (f" ({plan.cpu_threads} thread{'s' if plan.cpu_threads > 1 else ''} each, "
                f"{'from OMP_NUM_THREADS' if plan.threads_from != 'cores' else 'a share of the cores'})"
                if env.device.type == "cpu" else "")
-    log(env, f"{task.describe(n_params)}; strategy {plan.parallelism.name}{extras} "
+    log(env, f"{task.describe(n_params)}; strategy {plan.strategy}{extras} "
              f"({plan.parallelism_reason}); {env.world_size} worker(s) on {env.device.type}"
              f"{threads}; precision {plan.precision}")
     dims = plan.dims
