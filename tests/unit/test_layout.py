@@ -70,3 +70,46 @@ def test_each_strategy_is_a_preset_of_the_sizes(world, local, overrides, dims, n
     if dims.cp == 1:  # the wrapper's own name and label are the layout's
         assert (layout.parallelism.name, layout.parallelism.label) == (name, label)
     assert layout.why  # every layout says why it is this one
+
+
+def test_the_wrapper_is_read_from_the_sizes_alone():
+    """strategies.data_wrapper: sharded state is FSDP2 (HSDP when the shard groups are replicated
+    too), replicas alone DDP, one rank none; FSDP's options ride along, they are not sizes."""
+    from paratrain.parallel.strategies import DDP, FSDP, HSDP, Parallelism, data_wrapper
+    assert data_wrapper(ParallelDims()) == Parallelism()
+    assert data_wrapper(ParallelDims(dp_replicate=4)) == DDP()
+    assert data_wrapper(ParallelDims(dp_shard=4), cpu_offload=True) == FSDP(cpu_offload=True)
+    assert data_wrapper(ParallelDims(2, 4), reshard_after_forward=False) == \
+        HSDP(reshard_after_forward=False, shard_group_size=4)
+    # a CP run's wrapper is its preset's, whose ranks the CP groups are taken from
+    layout = _layout(4, 4, "trainer.strategy=fsdp", "trainer.context_parallel=2")
+    assert layout.parallelism == FSDP() and layout.dims == ParallelDims(1, 2, cp=2)
+
+
+@pytest.mark.parametrize("overrides,names,shard", [
+    (["trainer.strategy=fsdp"], ("dp_replicate", "dp_shard", "tp"), ("dp_shard",)),
+    (["trainer.strategy=hsdp", "trainer.shard_group_size=2"], ("dp_replicate", "dp_shard", "tp"),
+     ("dp_replicate", "dp_shard")),
+    (["trainer.strategy=fsdp", "trainer.context_parallel=2"],
+     ("dp_replicate", "dp_shard", "cp", "tp"), ("dp_shard_cp",)),
+])
+def test_fsdp_and_hsdp_take_their_mesh_from_the_one_built_from_the_sizes(overrides, names, shard):
+    """parallelize builds one mesh from the run's sizes (dims.build_mesh) and the wrapper spans its
+    data-parallel dimensions (`data_mesh`), on a fake world of 4 as `paratrain plan` runs it."""
+    from torch.distributed.tensor import DTensor
+    from paratrain.dist import DistEnv
+    from paratrain.models import build_model, resolve_model_config
+    from paratrain.parallel.fake_world import fake_world
+    from paratrain.parallel.parallelize import parallelize
+    cfg = TrainConfig.from_yaml(None, ["model.preset=tiny", *overrides])
+    layout = _layout(4, 4, *overrides)
+    meta = torch.device("meta")
+    with fake_world(4), torch.device(meta):
+        model = build_model(resolve_model_config(cfg.model, vocab_size=64, seq_length=32))
+        parallelize(model, layout.parallelism, DistEnv(world_size=4, local_world_size=4,
+                                                       nnodes=1, device=meta),
+                    precision="fp32", dims=layout.dims)
+        mesh = next(model.parameters()).device_mesh
+        assert isinstance(next(model.parameters()), DTensor)
+        assert mesh.mesh_dim_names == shard
+        assert mesh._get_root_mesh().mesh_dim_names == names

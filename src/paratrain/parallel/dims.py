@@ -148,6 +148,18 @@ class ParallelDims:
             mesh[inner]._flatten("_".join(inner))
         return mesh
 
+    def data_mesh(self, mesh: Any, *, both: bool = False) -> Any:
+        """The data-parallel wrapper's dimensions of this run's `mesh` (`data_names`): the
+        shards' alone when nothing replicates them (FSDP), else (replicas, shards) (HSDP; `both`:
+        always, as FSDP2 beside TP takes them). A flattened dimension (dp_shard_cp) is sliced from
+        the root, which torch 2.13 warns it will one day ask callers to keep themselves: quiet
+        here, where it is expected, as it is for the run's user."""
+        import warnings
+        names = self.data_names if both or self.dp_replicate > 1 else self.data_names[1:]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            return mesh[names]
+
     @property
     def data_names(self) -> tuple[str, str]:
         """The mesh dimensions the data-parallel wrapper spans: (replicate, shard)."""

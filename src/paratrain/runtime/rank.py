@@ -316,7 +316,8 @@ def _build(plan: RunPlan, env: DistEnv, task: Task
                             activation_checkpointing=plan.activation_checkpointing,
                             compile=tr.compile, wrap=task.fsdp_wrap, dims=plan.dims)
     frozen = {name: parallelize_frozen(prepare_model(m, plan.precision), plan.parallelism, env,
-                                       precision=plan.precision, wrap=task.fsdp_wrap)
+                                       precision=plan.precision, wrap=task.fsdp_wrap,
+                                       dims=plan.dims)
               for name, m in task.build_frozen().items()}
     torch.manual_seed(tr.seed + 1 + env.rank)  # dropout differs between ranks
     optimizer = optim.build_optimizer(model, plan.cfg.optim, env.device)
