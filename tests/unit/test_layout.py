@@ -29,6 +29,7 @@ def _layout(world: int, local: int, *overrides: str):
     (4, 4, ["trainer.strategy=hsdp", "trainer.shard_group_size=2"], ParallelDims(2, 2), "hsdp",
      "hsdp"),
     (4, 4, ["trainer.strategy=hsdp"], ParallelDims(dp_shard=4), "fsdp", "fsdp"),  # one group
+    (2, 1, ["trainer.strategy=hsdp"], ParallelDims(dp_replicate=2), "ddp", "ddp"),  # groups of 1
     (4, 4, ["trainer.tensor_parallel=2"], ParallelDims(1, 2, 2), "fsdp+tp", "fsdp+tp2"),  # auto
     (4, 4, ["trainer.strategy=ddp", "trainer.tensor_parallel=2"], ParallelDims(2, 1, 2),
      "ddp+tp", "ddp+tp2"),

@@ -307,7 +307,8 @@ def resolve_data(requested: str, *, world_size: int, local_world_size: int,
     sizes (`preset_sizes`), then the wrapper those call for (`data_wrapper`). One process means
     `single` whatever was asked for several; `auto` takes the memory plan's pick when there is
     one (plan.py), else ddp. `hsdp` whose one shard group would span every process (one node,
-    no `shard_group_size`) is fsdp, and resolves to it, saying so."""
+    no `shard_group_size`) is fsdp, and whose groups are one process each is ddp: each resolves
+    to what its sizes are, saying so."""
     if requested == "dp":
         if device.type != "cuda":
             raise ConfigError("trainer.strategy=dp (nn.DataParallel) needs CUDA GPUs; on CPU use "
@@ -350,6 +351,10 @@ def preset_sizes(requested: str, *, world_size: int, local_world_size: int,
         if group == world_size:
             return shards, (f"hsdp asked for, but its one shard group spans all {world_size} "
                             "processes (one node without trainer.shard_group_size): that is fsdp")
+        if group == 1:  # shards of one process shard nothing
+            return ParallelDims(dp_replicate=world_size), (
+                "hsdp asked for, but its shard groups are one process each (one per node "
+                "without trainer.shard_group_size): that is ddp")
         return (ParallelDims(world_size // group, group),
                 f"asked for: {world_size // group} replicas x shard groups of {group}")
     if requested == "auto":
