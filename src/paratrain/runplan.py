@@ -51,6 +51,12 @@ class RunPlan:
     steps_per_batch: int = 1  # optimizer steps per batch of data (rl.num_iterations)
 
     @property
+    def strategy(self) -> str:
+        """The layout's name, from its sizes (dims.`layout_name`: ddp, fsdp+cp, fsdp+tp+cp):
+        summary.json's `strategy`, the start line, what a snapshot records."""
+        return self.dims.layout_name(self.parallelism.data_name)
+
+    @property
     def device_list(self) -> list[torch.device]:
         return [torch.device(d) for d in self.devices]
 

@@ -75,16 +75,19 @@ def _max_step_diff(got_dir, want_dir) -> float:
                for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("name,layout,dims", [
-    ("cp2", CP2, {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 1}),
-    ("cp4", CP4, {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}),
-    ("dp2xcp2", DP2_CP2, {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}),
-    ("tp2xcp2", TP2_CP2, {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}),
+@pytest.mark.parametrize("name,layout,dims,strategy", [
+    ("cp2", CP2, {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 1}, "ddp+cp"),
+    ("cp4", CP4, {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}, "ddp+cp"),
+    ("dp2xcp2", DP2_CP2, {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1},
+     "fsdp+cp"),
+    ("tp2xcp2", TP2_CP2, {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2},
+     "fsdp+tp+cp"),
 ])
-def test_context_parallel_run_is_one_process(request, name, layout, dims):
+def test_context_parallel_run_is_one_process(request, name, layout, dims, strategy):
     one, run = _ref(request, ONE), _ref(request, layout)
     summary = read_summary(run)
     assert summary["parallel_dims"] == dims
+    assert summary["strategy"] == strategy  # the layout named from its sizes (test_layout.py)
     assert len(read_metrics(run)) == 10 and samples(run) == samples(one)
     assert _max_step_diff(run, one) < 1e-5
     assert abs(summary["val_loss"] - read_summary(one)["val_loss"]) < 1e-5

@@ -125,8 +125,8 @@ def test_the_tp_x_cp_layout_names_both_and_an_elastic_range_must_fit_its_groups(
     from paratrain.parallel.strategies import FSDP
     from paratrain.parallel.tensor import TensorParallel
     from paratrain.runplan import check_elastic_layout
-    both = TensorParallel(dims=ParallelDims(1, 1, 2, cp=2))
-    assert (both.name, both.label) == ("tp+cp", "tp2+cp2")
+    both = TensorParallel(dims=ParallelDims(1, 1, 2, cp=2))  # FSDP2 shards over the CP group
+    assert (both.name, both.label) == ("fsdp+tp+cp", "fsdp+tp2+cp2")
     data = TensorParallel(dims=ParallelDims(1, 2, 2, cp=2), data=FSDP())
     assert (data.name, data.label) == ("fsdp+tp+cp", "fsdp+tp2+cp2")
     assert TensorParallel(dims=ParallelDims(1, 1, 2)).label == "tp2"  # without CP as before

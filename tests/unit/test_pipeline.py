@@ -169,7 +169,7 @@ def test_the_plan_counts_a_stage_sharded_and_split():
     alone is checked against a real run's bytes: tests/distributed/test_pipeline.py.)"""
     rows = _plan_rows("trainer.strategy=fsdp", "trainer.tensor_parallel=2",
                       "plan.devices_per_node=8")
-    row, ddp = rows["fsdp+tp+pp2"], rows["ddp"]
+    row, ddp = rows["fsdp+tp2+pp2"], rows["ddp"]
     assert row.asked and row.dims == "pp=2 x dp_shard=2 x tp=2"
     assert abs(row.params_bytes / ddp.params_bytes * 8 - 1) < 0.04, row
 

@@ -55,7 +55,7 @@ class Snapshotter(Resuming):
         self.plan, self.cfg, self.env = plan, cfg, env
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         # what a marker says about the run that wrote it (inspect shows it; resume checks the batch)
-        self.info = {"strategy": plan.parallelism.name, "precision": plan.precision,
+        self.info = {"strategy": plan.strategy, "precision": plan.precision,
                      "model": model_info, "global_batch": plan.global_batch,
                      "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps}
         self.tokenizer_path = tokenizer_path

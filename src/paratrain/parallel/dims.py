@@ -148,10 +148,35 @@ class ParallelDims:
             mesh[inner]._flatten("_".join(inner))
         return mesh
 
+    def data_mesh(self, mesh: Any, *, both: bool = False) -> Any:
+        """The data-parallel wrapper's dimensions of this run's `mesh` (`data_names`): the
+        shards' alone when nothing replicates them (FSDP), else (replicas, shards) (HSDP; `both`:
+        always, as FSDP2 beside TP takes them). A flattened dimension (dp_shard_cp) is sliced from
+        the root, which torch 2.13 warns it will one day ask callers to keep themselves: quiet
+        here, where it is expected, as it is for the run's user."""
+        import warnings
+        names = self.data_names if both or self.dp_replicate > 1 else self.data_names[1:]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            return mesh[names]
+
     @property
     def data_names(self) -> tuple[str, str]:
         """The mesh dimensions the data-parallel wrapper spans: (replicate, shard)."""
         return ("dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard")
+
+    def layout_name(self, data: str, *, degrees: bool = False) -> str:
+        """The layout's name, read from these sizes (summary.json's `strategy`, the start line,
+        `paratrain plan`'s rows with `degrees`): the data-parallel wrapper's name (`data`: ddp,
+        fsdp, hsdp; fsdp+offload in a label) when it spans more than one rank of a stage (dp x
+        cp: the ranks of a CP group sum their gradients through it too), then each other
+        dimension above one, tp, cp, pp: fsdp, ddp+cp, fsdp+tp, fsdp+tp+cp, ddp+pp, tp, cp;
+        with `degrees` each of those with its size, fsdp+tp2+cp2. One process: `data`
+        (single, or dp)."""
+        parts = [data] if self.dp_cp > 1 else []
+        parts += [f"{n}{getattr(self, n) if degrees else ''}" for n in ("tp", "cp", "pp")
+                  if getattr(self, n) > 1]
+        return "+".join(parts) or data
 
     @property
     def label(self) -> str:

@@ -13,9 +13,11 @@ left over (world / (pp x tp)):
 
 Context parallelism then takes its groups out of the data-parallel processes (`with_context`:
 a CP=2 run of 2 processes under ddp is dp_replicate 1 x cp 2). `resolve_layout` returns the
-sizes with the wrapper that applies them (the strategy objects of strategies.py, tensor.py and
-pipeline.py, which `parallelize` runs in its fixed order) and the reason, for the frozen run
-plan (runplan.py) to carry; nothing downstream decides a layout again.
+sizes with the wrapper that applies them, read from the sizes (strategies.`data_wrapper`;
+tensor.py's and pipeline.py's around it, which `parallelize` runs in its fixed order on one mesh
+built from the sizes) and the reason, for the frozen run plan (runplan.py) to carry; nothing
+downstream decides a layout again. The layout's name is read from the sizes too
+(dims.`layout_name`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from .dims import ParallelDims
 from .pipeline import PipelineParallel, resolve_pipeline_parallel
-from .strategies import Parallelism, resolve_parallelism
+from .strategies import Parallelism, resolve_data
 from .tensor import resolve_tensor_parallel
 
 
@@ -38,6 +40,11 @@ class Layout:
     dims: ParallelDims
     parallelism: Parallelism
     why: str
+
+    @property
+    def name(self) -> str:
+        """The layout's name from its sizes (dims.`layout_name`): ddp, fsdp+cp, fsdp+tp+cp..."""
+        return self.dims.layout_name(self.parallelism.data_name)
 
 
 def resolve_layout(tr: Any, *, world_size: int, local_world_size: int, device: torch.device,
@@ -60,10 +67,12 @@ def resolve_layout(tr: Any, *, world_size: int, local_world_size: int, device: t
     elif tr.tensor_parallel > 1:
         parallelism, why = resolve_tensor_parallel(tr.strategy, tr.tensor_parallel,
                                                    cp=tr.context_parallel, **kw)
-    else:
-        parallelism, why = resolve_parallelism(
+    else:  # the preset's sizes, and the wrapper they call for
+        sizes, parallelism, why = resolve_data(
             tr.strategy, cpu_offload=tr.cpu_offload,
             planned=(planned.parallelism, planned.why) if planned is not None else None, **kw)
-    # the preset's sizes, with trainer.context_parallel of its data-parallel ranks as CP groups
+        return Layout(dims=sizes.with_context(tr.context_parallel), parallelism=parallelism,
+                      why=why)
+    # trainer.context_parallel of the data-parallel ranks as CP groups (resolved within TP's)
     dims = parallelism.layout(world_size).with_context(tr.context_parallel)
     return Layout(dims=dims, parallelism=parallelism, why=why)

@@ -27,50 +27,59 @@ def parallelize(model: nn.Module, parallelism: Parallelism, env: DistEnv, *, pre
     """Each dimension of `dims` applied in a fixed order (torchtitan's): tensor parallelism ->
     context parallelism -> activation checkpointing -> compile -> the data-parallel wrapper
     (FSDP / HSDP, or DDP) that `parallelism` names; each step must see the modules the one
-    before made, and the wrapper the final ones. `dims`: the run's sizes (default: the
-    parallelism's own preset for this world); `mesh`: a pipeline stage's, sliced from the
-    run's (pipeline.py)."""
+    before made, and the wrapper the final ones. Every step takes its dimensions from one mesh,
+    built here from `dims` (`run_mesh`) or given (`mesh`: a pipeline's, whose stages slice
+    theirs from it by name). `dims`: the run's sizes (default: the parallelism's own preset for
+    this world)."""
     dims = parallelism.layout(env.world_size) if dims is None else dims
     if not parallelism.offloads_to_host:
         model.to(env.device)
-    mesh = parallelism.device_mesh(env) if mesh is None else mesh  # what the wrapper spans
-    _split(model, dims, mesh, env)
+    mesh = run_mesh(parallelism, dims, env) if mesh is None else mesh
+    _split(model, dims, mesh)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
     return parallelism.wrap(model, env, precision=precision, units=shard_units(model, wrap),
-                            mesh=mesh)
+                            mesh=parallelism.data_mesh(mesh, dims) if mesh is not None else None)
 
 
-def _split(model: nn.Module, dims: ParallelDims, mesh: Any, env: DistEnv) -> None:
-    """The dimensions that split the model itself, each on its dimension of the run's one mesh
-    (`mesh` when it names them, else the one built from `dims`): TP, then CP."""
-    split = [n for n in ("tp", "cp") if getattr(dims, n) > 1]
-    if not split:
-        return
-    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-    named = mesh if all(n in names for n in split) else dims.build_mesh(env.device.type)
+def run_mesh(parallelism: Parallelism, dims: ParallelDims, env: DistEnv) -> Any:
+    """The run's one DeviceMesh (dims.`build_mesh`), when a step needs one: the sharding wrappers
+    (FSDP / HSDP, FSDP2 under TP) span its data-parallel dimensions, TP and CP their own; None
+    for a replica (single, DDP, nn.DataParallel) that splits nothing. Collective."""
+    if env.world_size == 1 or not (parallelism.sharded or dims.tp > 1 or dims.cp > 1):
+        return None
+    return dims.build_mesh(env.device.type)
+
+
+def _split(model: nn.Module, dims: ParallelDims, mesh: Any) -> None:
+    """The dimensions that split the model itself, each on its dimension of the run's one mesh:
+    TP, then CP."""
     if dims.tp > 1:
-        split_tensor_parallel(model, named["tp"])
+        split_tensor_parallel(model, mesh["tp"])
     if dims.cp > 1:
-        apply_context_parallel(model, named["cp"])
+        apply_context_parallel(model, mesh["cp"])
 
 
 def parallelize_frozen(model: nn.Module, parallelism: Parallelism, env: DistEnv, *,
-                       precision: str, wrap: Sequence[type] = ()) -> nn.Module:
+                       precision: str, wrap: Sequence[type] = (),
+                       dims: Optional[ParallelDims] = None) -> nn.Module:
     """A model the task runs without training it: no gradients, evaluation mode, placed,
-    split by tensor parallelism and (for sharding strategies) sharded as the trained model."""
+    split by tensor parallelism and (for sharding strategies) sharded as the trained model, on
+    a mesh of the run's sizes (`dims`, default: the parallelism's preset)."""
     model.requires_grad_(False)
     model.eval()
     if not parallelism.offloads_to_host:
         model.to(env.device)
-    mesh = parallelism.device_mesh(env)
-    dims = parallelism.layout(env.world_size)
+    dims = parallelism.layout(env.world_size) if dims is None else dims
+    mesh = run_mesh(parallelism, dims, env)
     if dims.tp > 1:  # (context parallelism is the loop's: a frozen model runs whole sequences)
         split_tensor_parallel(model, mesh["tp"])
     return parallelism.wrap_frozen(model, env, precision=precision,
-                                   units=shard_units(model, wrap), mesh=mesh)
+                                   units=shard_units(model, wrap),
+                                   mesh=parallelism.data_mesh(mesh, dims) if mesh is not None
+                                   else None)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -63,11 +63,22 @@ class PipelineParallel(Parallelism):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "pp" if self.dims.stage_world == 1 else f"{self.data.name}+pp"
+        """Every dimension above one, read from the sizes (dims.`layout_name`): pp, ddp+pp,
+        fsdp+tp+pp."""
+        return self.dims.layout_name(self.data.data_name)
 
     @property
     def label(self) -> str:
-        return f"{self.name}{self.dims.pp}"
+        """With the degrees: pp2, ddp+pp2, fsdp+tp2+pp2."""
+        return self.dims.layout_name(self.data.data_label, degrees=True)
+
+    @property
+    def data_name(self) -> str:
+        return self.data.data_name
+
+    @property
+    def data_label(self) -> str:
+        return self.data.data_label
 
     def layout(self, world: int) -> ParallelDims:
         return self.dims
@@ -80,22 +91,14 @@ class PipelineParallel(Parallelism):
         themselves up with; `Pipeline` averages their gradients itself."""
         return self.data if isinstance(self.data, FSDP) else Parallelism()
 
-    def stage_mesh(self, mesh: Any) -> Any:
-        """A stage's slice of the run's mesh, as its parallelism takes it: tensor parallelism
-        slices its dimensions by name from the whole; FSDP shards over dp_shard (HSDP: over
-        dp_shard, replicated over dp_replicate)."""
-        if self.dims.tp > 1:
-            return mesh
-        return mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else mesh["dp_shard"]
-
     def parallelize_part(self, part: nn.Module, env: DistEnv, mesh: Any, *, precision: str,
                          activation_checkpointing: bool = False, compile: bool = False) -> None:
         """One stage's part parallelized on the run's `mesh` as a whole model would be (TP ->
-        activation checkpointing -> compile -> FSDP2): the run's way, and the plan's."""
-        stage = self.stage_parallelism
-        parallelize(part, stage, env, precision=precision, compile=compile,
-                    activation_checkpointing=activation_checkpointing,
-                    mesh=self.stage_mesh(mesh) if isinstance(stage, FSDP) else None)
+        activation checkpointing -> compile -> FSDP2), each step slicing its dimensions by name
+        from the stage's coordinate of the one mesh: the run's way, and the plan's."""
+        parallelize(part, self.stage_parallelism, env, precision=precision, compile=compile,
+                    activation_checkpointing=activation_checkpointing, mesh=mesh,
+                    dims=self.dims)
 
     def autocast(self, precision: str, device: torch.device) -> ContextManager:
         return self.data.autocast(precision, device)  # FSDP2's policy casts, not autocast

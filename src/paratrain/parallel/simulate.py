@@ -40,12 +40,11 @@ from .parallelize import apply_activation_checkpointing, parallelize
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .pipeline_schedules import in_flight
-from .simulate_context import context_layouts, context_line, context_traffic, fused_attention
+from .simulate_context import META, context_layouts, context_line, context_traffic, \
+    fused_attention
 from .strategies import Parallelism, resolve_parallelism
 from .tensor import resolve_tensor_parallel, split_tensor_parallel
 from .traffic import COLLECTIVES, data_parallel_traffic, gathered_element_bytes, sent_bytes
-
-META = torch.device("meta")
 
 
 @dataclass(frozen=True)
@@ -73,14 +72,15 @@ class Simulated(Estimate):
     asked: bool = False  # the layout the config asks for
     dims: str = ""  # the mesh, e.g. dp_shard=128 x tp=8
     cp: int = 1  # context parallelism: ranks that split each sequence
+    sizes: Any = None  # the row's ParallelDims, with its CP groups
 
     @property
     def label(self) -> str:
-        """As `candidate_label`, the CP degree after the tensor-parallel one: fsdp+cp4+ac."""
-        if self.cp == 1:
+        """As `candidate_label`, named from the row's sizes (dims.`layout_name`): fsdp+cp4+ac."""
+        if self.sizes is None or self.cp == 1:
             return super().label
-        recompute = self.activation_checkpointing and not self.parallelism.offloads_to_host
-        return f"{self.parallelism.label}+cp{self.cp}" + ("+ac" if recompute else "")
+        ac = self.activation_checkpointing and not self.parallelism.offloads_to_host
+        return self.sizes.layout_name(self.parallelism.data_label, degrees=True) + "+ac" * ac
 
     @property
     def sent_total(self) -> int:
@@ -186,7 +186,7 @@ def _row(work: Workload, target: Target, parallelism: Parallelism, ac: bool, ask
     on_device = not parallelism.offloads_to_host
     peak = activation_bytes + gathered + (sum(parts) if on_device else 0)
     return Simulated(parallelism, ac, *parts, activation_bytes, peak, sent=sent, asked=asked,
-                     dims=dims.label, cp=cp)
+                     dims=dims.label, cp=cp, sizes=dims)
 
 
 def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,

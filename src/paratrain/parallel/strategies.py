@@ -4,10 +4,12 @@ then asked, never compared as a string again.
 A parallelism knows how to wrap a model, how to skip gradient sync on the accumulation micro-steps
 before the last one (Fabric's per-strategy backward-sync control), which autocast and gradient
 scaler it needs, and what share of the parameters, gradients and optimizer state one rank holds
-(the memory plan and `bench` count with it). Adding one is one class here, plus its device mesh
-(HSDP is FSDP on a 2-D mesh; tensor parallelism, parallel/tensor.py, FSDP on a 3-D one). The
-dimensions that split the model (TP, CP), activation checkpointing and compile are applied
-before the wrapper, in that order, by parallel/parallelize.py.
+(the memory plan and `bench` count with it). Which one wraps a run is read from its
+data-parallel sizes (`data_wrapper`: dp_shard > 1 FSDP, HSDP with dp_replicate > 1 too, DDP for
+replicas alone), which a strategy name presets (`preset_sizes`); each takes its dimensions of
+the run's one mesh (`data_mesh`: HSDP a 2-D slice; tensor parallelism, parallel/tensor.py, FSDP2
+beside TP's). The dimensions that split the model (TP, CP), activation checkpointing and compile
+are applied before the wrapper, in that order, by parallel/parallelize.py.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 
 from ..dist import DistEnv
 from ..errors import ConfigError
-from .dims import ParallelDims, mesh_device_type
+from .dims import ParallelDims
 from .precision import mixed_dtype
 
 
@@ -34,14 +36,20 @@ class Parallelism:
     sharded: ClassVar[bool] = False  # parameters, gradients and optimizer state split by rank
 
     def device_mesh(self, env: DistEnv) -> Any:
-        """The DeviceMesh that `split` and `wrap` share, built once per model (None: the
-        parallelism needs none, or builds its own inside `wrap`). Collective."""
+        """This parallelism's own preset's mesh, for a caller without a run's sizes (None: it
+        needs none); `parallelize` builds the run's from its sizes. Collective."""
         return None
 
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
              units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
-        """The model, wrapped for this parallelism (`units`: the blocks a sharding wraps)."""
+        """The model, wrapped for this parallelism (`units`: the blocks a sharding wraps; `mesh`:
+        what `data_mesh` took of the run's mesh)."""
         return model
+
+    def data_mesh(self, mesh: Any, dims: ParallelDims) -> Any:
+        """What the wrapper spans of the run's one mesh (`mesh`, built from `dims`; None:
+        nothing, as DDP all-reduces over the default group). Slicing only: no collective."""
+        return None
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the wrapper."""
@@ -103,6 +111,18 @@ class Parallelism:
     @property
     def label(self) -> str:
         return self.name
+
+    @property
+    def data_name(self) -> str:
+        """The data-parallel wrapper's name, which a layout's name starts with
+        (dims.`layout_name`): this one's own here; what wraps the data-parallel ranks under
+        tensor or pipeline parallelism."""
+        return self.name
+
+    @property
+    def data_label(self) -> str:
+        """As `data_name`, in the plan's rows (fsdp+offload)."""
+        return self.label
 
 
 @dataclass(frozen=True)
@@ -167,15 +187,15 @@ class FSDP(Parallelism):
     cpu_offload: bool = False  # parameters, gradients and optimizer state live in host RAM
     reshard_after_forward: bool = True  # free full parameters after forward (less memory)
 
-    def mesh(self, env: DistEnv) -> Any:
-        from torch.distributed.device_mesh import init_device_mesh
-        return init_device_mesh(mesh_device_type(env.device.type), (env.world_size,))
+    def data_mesh(self, mesh: Any, dims: ParallelDims) -> Any:
+        """The run's mesh's data-parallel dimensions (dims.`data_names`): the shards' (1-D,
+        dp_shard, or dp_shard x cp flattened), with the replicas' before it under HSDP (2-D)."""
+        return dims.data_mesh(mesh)
 
     def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
              units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        kwargs: dict = {"mesh": mesh if mesh is not None else self.mesh(env),
-                        "reshard_after_forward": self.reshard_after_forward}
+        kwargs: dict = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
         param_dtype = mixed_dtype(precision)
         if param_dtype is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
@@ -190,7 +210,7 @@ class FSDP(Parallelism):
 
     def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
                     units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
-        return self.wrap(model, env, precision=precision, units=units)
+        return self.wrap(model, env, precision=precision, units=units, mesh=mesh)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
@@ -236,18 +256,12 @@ class HSDP(FSDP):
     """Hybrid sharding (FSDP2 on a 2-D mesh): shard within a group of `shard_group_size`
     consecutive ranks (a node by default), replicate across the groups (the nodes).
 
-    The mesh is (replicate, shard) = (world / group, group), row-major, so a shard group is
-    ranks [k*group, (k+1)*group): one node's ranks. Per-layer all-gathers and reduce-scatters
+    Its mesh is the run's (dp_replicate, dp_shard) = (world / group, group), row-major, so a
+    shard group is ranks [k*group, (k+1)*group): one node's ranks. Per-layer all-gathers and reduce-scatters
     stay inside a node; only a 1/group slice of the gradients is all-reduced across nodes. A rank
     holds 1/group of the state (FSDP over all ranks: 1/world; DDP: all of it)."""
     name: ClassVar[str] = "hsdp"
     shard_group_size: int = 1
-
-    def mesh(self, env: DistEnv) -> Any:
-        from torch.distributed.device_mesh import init_device_mesh
-        group = self.shard_group_size
-        return init_device_mesh(mesh_device_type(env.device.type), (env.world_size // group, group),
-                                mesh_dim_names=("replicate", "shard"))
 
     def state_numel(self, shape: torch.Size, world: int, rank: int = 0) -> int:
         """FSDP's split over the shard group; the replicas hold the same shards."""
@@ -276,10 +290,25 @@ def resolve_parallelism(requested: str, *, world_size: int, local_world_size: in
                         shard_group_size: Optional[int] = None,
                         planned: Optional[tuple[Parallelism, str]] = None
                         ) -> tuple[Parallelism, str]:
-    """(parallelism, why): `trainer.strategy` turned into an object, once. One process means
+    """(parallelism, why): `trainer.strategy` turned into an object, once (`resolve_data`)."""
+    _, parallelism, why = resolve_data(
+        requested, world_size=world_size, local_world_size=local_world_size, device=device,
+        cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
+        shard_group_size=shard_group_size, planned=planned)
+    return parallelism, why
+
+
+def resolve_data(requested: str, *, world_size: int, local_world_size: int,
+                 device: torch.device, cpu_offload: bool = False,
+                 reshard_after_forward: bool = True, shard_group_size: Optional[int] = None,
+                 planned: Optional[tuple[Parallelism, str]] = None
+                 ) -> tuple[ParallelDims, Parallelism, str]:
+    """(sizes, wrapper, why) of `world_size` data-parallel processes: `trainer.strategy`'s
+    sizes (`preset_sizes`), then the wrapper those call for (`data_wrapper`). One process means
     `single` whatever was asked for several; `auto` takes the memory plan's pick when there is
     one (plan.py), else ddp. `hsdp` whose one shard group would span every process (one node,
-    no `shard_group_size`) is fsdp, and resolves to it, saying so."""
+    no `shard_group_size`) is fsdp, and whose groups are one process each is ddp: each resolves
+    to what its sizes are, saying so."""
     if requested == "dp":
         if device.type != "cuda":
             raise ConfigError("trainer.strategy=dp (nn.DataParallel) needs CUDA GPUs; on CPU use "
@@ -287,32 +316,68 @@ def resolve_parallelism(requested: str, *, world_size: int, local_world_size: in
         if world_size > 1 and local_world_size > 1:
             raise ConfigError("trainer.strategy=dp drives every GPU from one process; do not "
                               "start one process per GPU (no torchrun, one node)")
-        return DataParallel(), "asked for"
+        return ParallelDims(), DataParallel(), "asked for"  # one process drives every GPU
     if cpu_offload and requested not in ("fsdp", "auto"):
         raise ConfigError(f"trainer.cpu_offload=true needs trainer.strategy=fsdp (parameters are "
                           f"offloaded shard by shard), not {requested}")
+    sizes, why = preset_sizes(requested, world_size=world_size, cpu_offload=cpu_offload,
+                              local_world_size=local_world_size,
+                              shard_group_size=shard_group_size, planned=planned)
+    offload = cpu_offload or (requested == "auto" and planned is not None
+                              and planned[0].offloads_to_host)
+    return sizes, data_wrapper(sizes, cpu_offload=offload,
+                               reshard_after_forward=reshard_after_forward), why
+
+
+def preset_sizes(requested: str, *, world_size: int, local_world_size: int,
+                 cpu_offload: bool = False, shard_group_size: Optional[int] = None,
+                 planned: Optional[tuple[Parallelism, str]] = None) -> tuple[ParallelDims, str]:
+    """(sizes, why): the data-parallel sizes of `world_size` processes that `trainer.strategy`
+    names (parallel/layout.py's table): ddp all replicas, fsdp all shards, hsdp replicas of
+    shard groups of `shard_group_size` (a node's processes by default), auto the memory plan's
+    pick (`planned`) or ddp; one process, none."""
     if world_size == 1:
         why = "one process" if requested in ("auto", "single") else \
             f"{requested} asked for, but there is only one process"
-        return Parallelism(), why
+        return ParallelDims(), why
     if requested == "single":
         raise ConfigError(f"trainer.strategy=single runs one process, but {world_size} were "
                           "started; use trainer.strategy=ddp or one device")
-    fsdp = FSDP(cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward)
     # a bad trainer.shard_group_size is an error under auto too (its plan may pick hsdp)
     group = shard_group(world_size, local_world_size, shard_group_size) \
         if requested in ("hsdp", "auto") else world_size
+    shards = ParallelDims(dp_shard=world_size)
     if requested == "hsdp":
         if group == world_size:
-            return fsdp, (f"hsdp asked for, but its one shard group spans all {world_size} "
-                          "processes (one node without trainer.shard_group_size): that is fsdp")
-        return (HSDP(reshard_after_forward=reshard_after_forward, shard_group_size=group),
+            return shards, (f"hsdp asked for, but its one shard group spans all {world_size} "
+                            "processes (one node without trainer.shard_group_size): that is fsdp")
+        if group == 1:  # shards of one process shard nothing
+            return ParallelDims(dp_replicate=world_size), (
+                "hsdp asked for, but its shard groups are one process each (one per node "
+                "without trainer.shard_group_size): that is ddp")
+        return (ParallelDims(world_size // group, group),
                 f"asked for: {world_size // group} replicas x shard groups of {group}")
     if requested == "auto":
         if cpu_offload:
-            return fsdp, "auto: trainer.cpu_offload=true needs fsdp"
-        return planned or (DDP(), "auto: several devices")
-    return (fsdp if requested == "fsdp" else DDP()), "asked for"
+            return shards, "auto: trainer.cpu_offload=true needs fsdp"
+        if planned is not None:
+            return planned[0].layout(world_size), planned[1]
+        return ParallelDims(dp_replicate=world_size), "auto: several devices"
+    return (shards if requested == "fsdp" else ParallelDims(dp_replicate=world_size)), "asked for"
+
+
+def data_wrapper(sizes: ParallelDims, *, cpu_offload: bool = False,
+                 reshard_after_forward: bool = True) -> Parallelism:
+    """The data-parallel wrapper that the sizes call for, read from them alone (torchtitan's
+    rule): state sharded (dp_shard > 1) is FSDP2, HSDP when its shard groups are replicated
+    too (dp_replicate > 1); replicas only are DDP; one rank, none. `cpu_offload` and
+    `reshard_after_forward` are FSDP's options, not sizes."""
+    if sizes.dp_shard > 1 and sizes.dp_replicate > 1:
+        return HSDP(reshard_after_forward=reshard_after_forward,
+                    shard_group_size=sizes.dp_shard)
+    if sizes.dp_shard > 1:
+        return FSDP(cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward)
+    return DDP() if sizes.dp_replicate > 1 else Parallelism()
 
 
 def processes_per_node(requested: str, devices: int) -> int:

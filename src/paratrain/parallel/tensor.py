@@ -31,7 +31,7 @@ from torch import nn
 from ..dist import DistEnv
 from ..errors import ConfigError
 from .dims import ParallelDims, check_tensor_parallel
-from .strategies import FSDP, Parallelism, resolve_parallelism
+from .strategies import FSDP, Parallelism, resolve_data
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,22 @@ class TensorParallel(FSDP):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        """`tp`, after the data-parallel strategy when there is one, then `+cp` when context
-        parallelism splits the sequences too (fsdp+tp+cp): every dimension above one."""
-        base = "tp" if self.dims.dp == 1 else f"{self.data.name}+tp"
-        return base + ("+cp" if self.dims.cp > 1 else "")
+        """Every dimension above one, read from the sizes (dims.`layout_name`): tp, fsdp+tp,
+        fsdp+tp+cp."""
+        return self.dims.layout_name(self.data_name)
+
+    @property
+    def data_name(self) -> str:
+        """What FSDP2 does over the (dp_replicate, dp_shard x cp) submesh, from its sizes: shards
+        (fsdp), replicates shard groups (hsdp), or only replicates (ddp). A CP group is sharded
+        over whichever strategy was asked."""
+        shards, replicas = self.dims.dp_shard * self.dims.cp > 1, self.dims.dp_replicate > 1
+        return "hsdp" if shards and replicas else "fsdp" if shards else \
+            "ddp" if replicas else "single"
+
+    @property
+    def data_label(self) -> str:
+        return self.data_name
 
     @property
     def sharded(self) -> bool:  # type: ignore[override]
@@ -58,20 +70,15 @@ class TensorParallel(FSDP):
     @property
     def label(self) -> str:
         """e.g. tp2, fsdp+tp4+cp2: the degrees after their dimensions."""
-        base = f"{'tp' if self.dims.dp == 1 else self.data.name + '+tp'}{self.dims.tp}"
-        return base + (f"+cp{self.dims.cp}" if self.dims.cp > 1 else "")
+        return self.dims.layout_name(self.data_label, degrees=True)
 
     def device_mesh(self, env: DistEnv) -> Any:
         return self.dims.build_mesh(env.device.type)
 
-    def wrap(self, model: nn.Module, env: DistEnv, *, precision: str,
-             units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
-        return super().wrap(model, env, precision=precision, units=units,
-                            mesh=mesh[self.dims.data_names])
-
-    def wrap_frozen(self, model: nn.Module, env: DistEnv, *, precision: str,
-                    units: Sequence[nn.Module], mesh: Any = None) -> nn.Module:
-        return self.wrap(model, env, precision=precision, units=units, mesh=mesh)
+    def data_mesh(self, mesh: Any, dims: ParallelDims) -> Any:
+        """Both data-parallel dimensions, whatever their sizes: FSDP2 over a 2-D mesh beside TP's
+        (its replicas, then its shards)."""
+        return dims.data_mesh(mesh, both=True)
 
     def full_state_dict(self, model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
         """As FSDP's; the gather of a parameter split by TP and then by FSDP takes one
@@ -100,17 +107,16 @@ def resolve_tensor_parallel(requested: str, tp: int, *, world_size: int, local_w
                             ) -> tuple[TensorParallel, str]:
     """(parallelism, why) for `trainer.tensor_parallel=tp` with `trainer.strategy=requested`
     over the other world / tp processes: the data-parallel part is resolved as
-    `resolve_parallelism` would for that many processes (`auto`: fsdp, which shards what TP
+    `resolve_data` would for that many processes (`auto`: fsdp, which shards what TP
     leaves whole), then both are fixed in one ParallelDims (with `cp` of the data-parallel
     processes made context-parallel groups: parallel/context.py)."""
     check_tensor_parallel(tp, world=world_size, local_world=local_world_size,
                           shard_group=shard_group_size)
-    data, why = resolve_parallelism(
+    base, data, why = resolve_data(
         "fsdp" if requested == "auto" else requested, world_size=world_size // tp,
         local_world_size=local_world_size // tp, device=device,
         reshard_after_forward=reshard_after_forward,
         shard_group_size=shard_group_size // tp if shard_group_size else None)
-    base = data.layout(world_size // tp)
     dims = ParallelDims(base.dp_replicate, base.dp_shard, tp).with_context(cp)
     why = ("auto: fsdp over the data-parallel processes" if requested == "auto" and dims.dp > 1
            else why if dims.dp > 1 else "no data parallelism left")

@@ -316,7 +316,8 @@ def _build(plan: RunPlan, env: DistEnv, task: Task
                             activation_checkpointing=plan.activation_checkpointing,
                             compile=tr.compile, wrap=task.fsdp_wrap, dims=plan.dims)
     frozen = {name: parallelize_frozen(prepare_model(m, plan.precision), plan.parallelism, env,
-                                       precision=plan.precision, wrap=task.fsdp_wrap)
+                                       precision=plan.precision, wrap=task.fsdp_wrap,
+                                       dims=plan.dims)
               for name, m in task.build_frozen().items()}
     torch.manual_seed(tr.seed + 1 + env.rank)  # dropout differs between ranks
     optimizer = optim.build_optimizer(model, plan.cfg.optim, env.device)
@@ -333,7 +334,7 @@ def _log_start(plan: RunPlan, env: DistEnv, task: Task, n_params: int,
     threads = (f" ({plan.cpu_threads} thread{'s' if plan.cpu_threads > 1 else ''} each, "
                f"{'from OMP_NUM_THREADS' if plan.threads_from != 'cores' else 'a share of the cores'})"
                if env.device.type == "cpu" else "")
-    log(env, f"{task.describe(n_params)}; strategy {plan.parallelism.name}{extras} "
+    log(env, f"{task.describe(n_params)}; strategy {plan.strategy}{extras} "
              f"({plan.parallelism_reason}); {env.world_size} worker(s) on {env.device.type}"
              f"{threads}; precision {plan.precision}")
     dims = plan.dims
