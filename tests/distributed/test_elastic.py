@@ -21,10 +21,12 @@ from tests.distributed.test_multinode import node_args
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
-# 3 nodes x 1 worker or 2 x 1: a global batch of 24 splits over both (accumulation 2 or 3)
+# 3 nodes x 1 worker or 2 x 1: a global batch of 24 splits over both (accumulation 2 or 3).
+# 300 steps (0.1-0.3 s each on a loaded 2-core machine): the late node's start-up (a launcher,
+# its imports, the rendezvous: it joined at step ~130 at load 5) must end before the job does.
 ELASTIC = {"distributed.nnodes": "2:3", "trainer.devices": "cpu:1", "trainer.batch_size": 4,
-           "trainer.global_batch_size": 24, "trainer.max_steps": 100,
-           "checkpoint.every_steps": 5, "checkpoint.record_samples": "true",
+           "trainer.global_batch_size": 24, "trainer.max_steps": 300,
+           "checkpoint.every_steps": 10, "checkpoint.record_samples": "true",
            "trainer.eval_samples": 16, "distributed.timeout_s": 30, "run.name": "el"}
 
 
@@ -72,7 +74,7 @@ def _assert_continues_exactly(run: Path, ref: Path, change_step: int) -> None:
 def test_a_lost_node_leaves_and_the_others_finish(tmp_path, reference, corpus_dir, cache_dir):
     procs = _nodes(corpus_dir, cache_dir, tmp_path, (0, 1, 2), free_port())
     run = tmp_path / "runs" / "el"
-    _wait(lambda: len(committed_steps(run / "checkpoints")) >= 1 and steps_logged(run) >= 6,
+    _wait(lambda: len(committed_steps(run / "checkpoints")) >= 1 and steps_logged(run) >= 11,
           list(procs.values()), 240, "a committed snapshot")
     os.killpg(procs[2].pid, signal.SIGKILL)  # node 2's launcher and its worker
     procs[2].communicate()
@@ -82,7 +84,7 @@ def test_a_lost_node_leaves_and_the_others_finish(tmp_path, reference, corpus_di
     history = read_summary(run)["world_history"]
     assert history[0] == [0, 3] and history[-1][1] == 2 and len(history) == 2, history
     shrink = history[-1][0]
-    assert shrink >= 5 and shrink % 5 == 0
+    assert shrink >= 10 and shrink % 10 == 0
     logs = "".join(err for _, _, err in results)
     assert f"world size 3 -> 2 at step {shrink} (a node left)" in logs
     _assert_continues_exactly(run, reference, shrink)

@@ -93,10 +93,18 @@ def test_saved_model_reproduces_validation_loss(trained_run, cache_dir):
     assert tok.vocab_size == cfg.data.vocab_size
 
 
-def test_generate_prints_a_continuation(trained_run, capsys):
+def test_generate_prints_a_continuation(trained_run, capsys, monkeypatch):
+    """Seeded; on OMP_NUM_THREADS threads, as a one-process training run (2 OpenMP threads
+    where 1 was asked for made each token spin on a busy machine)."""
+    import torch
     run_dir = trained_run.dir
+    threads = []
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(torch, "set_num_threads", lambda n, real=torch.set_num_threads: (
+        threads.append(n), real(n))[1])
     r = cli_run(capsys, ["generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "30"])
     assert r.returncode == 0, r.stderr
+    assert threads[0] == 1, threads  # (cli_run puts this process's own count back after)
     assert r.stdout.startswith("def ") and len(r.stdout) > len("def ") + 10
     again = cli_run(capsys, ["generate", run_dir, "--prompt", "def ", "--max-new-tokens", "30"])
     assert again.stdout == r.stdout  # seeded

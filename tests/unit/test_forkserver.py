@@ -47,7 +47,8 @@ def test_no_server_under_a_launcher_that_made_this_process_a_rank(monkeypatch):
 
 def test_the_server_imports_what_the_task_needs(tmp_path):
     lm = forkserver.worker_modules(_cfg("model.preset=tiny"))
-    assert lm == ["paratrain.trainer", "paratrain.tasks.pretraining"]
+    assert lm == ["paratrain.trainer", *forkserver.EVERY_WORKER, "paratrain.tasks.pretraining",
+                  "paratrain.models.llama"]
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))

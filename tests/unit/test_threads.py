@@ -43,3 +43,29 @@ def test_a_single_process_run_sets_the_threads_the_plan_says(monkeypatch):
         assert torch.get_num_threads() == Plan.cpu_threads
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("omp, want", [("1", 1), (None, None)])
+def test_a_rank_without_a_plan_keeps_omp_num_threads(monkeypatch, omp, want):
+    """torchrun, Slurm and every elastic round start their ranks with no plan: they take the
+    share the plan would (OMP_NUM_THREADS when set), not the cores alone (an elastic job on a
+    2-core host with OMP_NUM_THREADS=1 ran 2 OpenMP threads per rank, each step spinning)."""
+    import torch
+
+    from paratrain.launch.environment import cpu_count
+    from paratrain.runtime.rank import _share_cores
+    before = torch.get_num_threads()
+
+    class Env:
+        device = torch.device("cpu")
+        local_world_size = 1
+
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    try:
+        _share_cores(Env(), None)
+        assert torch.get_num_threads() == (want or max(1, cpu_count()))
+    finally:
+        torch.set_num_threads(before)

@@ -78,7 +78,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from ..models.files import model_dir_of
     from ..models.generate import GenerateOptions
     from ..config.hub import resolve_folder
-    torch.set_num_threads(cpu_count())  # one per core this process may use, as training sets
+    from ..runplan import thread_share
+    # as a one-process training run sets them: OMP_NUM_THREADS when set, else one per core this
+    # process may use (2 OpenMP threads where 1 was asked for spin on a busy 2-core machine)
+    torch.set_num_threads(thread_share(cpu_count(), 1, os.environ.get("OMP_NUM_THREADS"))[
+        "cpu_threads"])
     ns.run_dir = resolve_folder(ns.run_dir, None, "RUN_DIR")  # a Hub id: its cached snapshot
     data, trainer = _run_sections(ns.run_dir)
     opts = GenerateOptions(

@@ -6,6 +6,7 @@ no calling process planned it, the rank plans it here first (`plan_on_ranks`).""
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import time
 from typing import Any, Optional, Union
@@ -32,7 +33,7 @@ from ..records import loggers
 from ..records.console import log
 from ..records.timeline import Timeline
 from ..redact import redact_url
-from ..runplan import RunPlan, auto_choice, make_plan
+from ..runplan import RunPlan, auto_choice, make_plan, thread_share
 from ..tasks.base import Task, TaskRecords, token_loss_sum
 from . import optim
 from .loop import TrainLoop
@@ -89,10 +90,14 @@ def run_rank(cfg: TrainConfig, env: DistEnv, plan: Optional[RunPlan] = None,
 
 
 def _share_cores(env: DistEnv, plan: Optional[RunPlan]) -> None:
-    """Ranks sharing a machine's cores: one slice each, not all each."""
+    """Ranks sharing a machine's cores: one slice each, not all each. No plan yet (torchrun,
+    Slurm, an elastic round): the share the plan will hold (`thread_share`: OMP_NUM_THREADS when
+    set), not the cores alone: 2 threads per rank on a 2-core host that asked for 1 made every
+    step of an elastic job spin in OpenMP, 5-50x the CPU of the planned run's steps."""
     from ..launch.environment import cpu_count
     if env.device.type == "cpu":
-        threads = plan.cpu_threads if plan is not None else cpu_count() // env.local_world_size
+        threads = plan.cpu_threads if plan is not None else thread_share(
+            cpu_count(), env.local_world_size, os.environ.get("OMP_NUM_THREADS"))["cpu_threads"]
         torch.set_num_threads(max(1, threads))
 
 
