@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Optional, Sequence
 
 import torch
@@ -232,6 +231,8 @@ def gpt_plan() -> dict:
     stream, each rank its own positions) and the fused q/k/v projection split in three strides,
     so a rank's slice holds its heads' rows of each of q, k and v."""
     from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from .tensor_styles import FusedColwise, Replicated
     return {"wpe": Replicated(use_local_output=False), **sequence_parallel_plan(
         embedding="wte", block_norms=("ln_1", "ln_2"), regions={"attn": 2, "mlp": 1},
         columns={"attn.c_attn": FusedColwise(parts=3), "mlp.c_fc": ColwiseParallel()},
@@ -270,81 +271,12 @@ def sequence_parallel_plan(*, embedding: str, block_norms: Sequence[str],
     return plan
 
 
-# ---- two styles torch does not have -------------------------------------------------------------
-def _style_base() -> type:
-    from torch.distributed.tensor.parallel import ParallelStyle
-    return ParallelStyle
-
-
-class Replicated(_style_base()):  # type: ignore[misc]
-    """The module's own parameters replicated over the TP mesh as DTensors, its tensor inputs
-    marked replicated, its output kept a DTensor (or made local): a layer no plan splits still
-    lives on the one mesh that FSDP, clipping and the optimizer expect."""
-
-    def __init__(self, *, use_local_output: bool = True):
-        super().__init__()
-        self.use_local_output = use_local_output
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        from torch.distributed.tensor import distribute_module
-        return distribute_module(module, device_mesh, _replicate_own_parameters,
-                                 _inputs_replicated, partial(_output, self.use_local_output))
-
-
-def _replicate_own_parameters(name: str, module: nn.Module, mesh: Any) -> None:
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-    for pname, param in list(module._parameters.items()):
-        if param is not None and not isinstance(param.data, DTensor):
-            module.register_parameter(pname, nn.Parameter(
-                distribute_tensor(param.data, mesh, [Replicate()]),
-                requires_grad=param.requires_grad))
-
-
-def _inputs_replicated(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
-    from torch.distributed.tensor import DTensor, Replicate
-    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
-                 for x in inputs)
-
-
-def _output(use_local: bool, module: nn.Module, output: Any, mesh: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-    return output.to_local() if use_local and isinstance(output, DTensor) else output
-
-
-def _colwise_base() -> type:
-    from torch.distributed.tensor.parallel import ColwiseParallel
-    return ColwiseParallel
-
-
-class FusedColwise(_colwise_base()):  # type: ignore[misc]
-    """Column-wise for a projection that computes `parts` outputs at once (GPT's c_attn: q, k, v):
-    the rows are split in `parts` strides (DTensor's strided shard), so rank r holds the r-th
-    slice of each part and its local output is [q_r, k_r, v_r]; that output is used as it is."""
-
-    def __init__(self, *, parts: int):
-        super().__init__()
-        self.parts = parts
-
-    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: Any) -> None:
-        from torch.distributed.tensor import distribute_tensor
-        from torch.distributed.tensor.placement_types import _StridedShard
-        for pname, param in module.named_parameters():
-            module.register_parameter(pname, nn.Parameter(
-                distribute_tensor(param, mesh, [_StridedShard(0, split_factor=self.parts)],
-                                  src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad))
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module,
-                           outputs: Any, device_mesh: Any) -> Any:
-        return outputs.to_local()
-
-
 def _replicate_the_rest(model: nn.Module, tp_mesh: Any) -> None:
     """Every module whose own parameters the plan left plain gets them replicated (Replicated)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
+
+    from .tensor_styles import Replicated
     for module in list(model.modules()):
         own = [p for p in module._parameters.values() if p is not None]
         if own and not all(isinstance(p.data, DTensor) for p in own):
