@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .memory import SavedTensorMeter, _storage_ptr
+from .memory import SavedTensorMeter, storage_ptr
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.bfloat16, "bf16-true": None}
 
@@ -47,13 +47,13 @@ class _WeightCasts(TorchDispatchMode):
 
     def __init__(self, params: Iterable[torch.Tensor]):
         super().__init__()
-        self._params = {_storage_ptr(p) for p in params}
+        self._params = {storage_ptr(p) for p in params}
         self._copies: dict = {}  # storage -> weakref to the copy
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and _storage_ptr(args[0]) in self._params:
-            self._copies[_storage_ptr(out)] = weakref.ref(out)
+        if func is torch.ops.aten._to_copy.default and storage_ptr(args[0]) in self._params:
+            self._copies[storage_ptr(out)] = weakref.ref(out)
         return out
 
     def __contains__(self, storage: Any) -> bool:
@@ -81,13 +81,14 @@ def activation_bytes_per_sample(factory: Callable[[], nn.Module], seq_length: in
 
 
 def cpu_model(factory: Callable[[], nn.Module], precision: str) -> nn.Module:
+    """The model built on the CPU from a fixed seed, in bf16 for bf16-true."""
     torch.manual_seed(0)
     model = factory()
     return model.to(torch.bfloat16) if precision == "bf16-true" else model
 
 
 def saved_bytes(module: nn.Module, x: torch.Tensor, targets: Optional[torch.Tensor],
-                 precision: str) -> SavedBytes:
+                precision: str) -> SavedBytes:
     """What autograd saves in `module`'s forward of x (and the loss, given `targets`)."""
     dtype = AUTOCAST.get(precision)
     amp = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()

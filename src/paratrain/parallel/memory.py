@@ -32,7 +32,7 @@ class SavedTensorMeter:
     parameters."""
 
     def __init__(self, model: nn.Module, is_cast: Optional[Callable[[Any], bool]] = None):
-        self._params = {_storage_ptr(_local(p)) for p in model.parameters()}
+        self._params = {storage_ptr(_local(p)) for p in model.parameters()}
         self._seen: dict[int, int] = {}
         self._casts: set = set()
         self._is_cast = is_cast
@@ -40,7 +40,7 @@ class SavedTensorMeter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         local = _local(t)
-        ptr = _storage_ptr(local)
+        ptr = storage_ptr(local)
         if ptr is not None and ptr not in self._params and not isinstance(t, nn.Parameter):
             self._seen[ptr] = local.untyped_storage().nbytes()
             if self._is_cast is not None and self._is_cast(ptr):
@@ -68,7 +68,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _storage_ptr(t: torch.Tensor) -> Optional[int]:
+def storage_ptr(t: torch.Tensor) -> Optional[int]:
     """What identifies a storage: its address, or on the meta device (the plan's simulation),
     where every address is 0, the storage object itself. None for storages that FSDP has freed
     (resized to nothing) between uses."""
