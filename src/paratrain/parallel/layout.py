@@ -63,7 +63,8 @@ def resolve_layout(tr: Any, *, world_size: int, local_world_size: int, device: t
     elif tr.pipeline_parallel > 1:
         parallelism, why = resolve_pipeline_parallel(
             tr.strategy, tr.pipeline_parallel, schedule=tr.pipeline_schedule,
-            split=tr.pipeline_split, num_layers=num_layers, tp=tr.tensor_parallel, **kw)
+            split=tr.pipeline_split, num_layers=num_layers, tp=tr.tensor_parallel,
+            cp=tr.context_parallel, **kw)
     elif tr.tensor_parallel > 1:
         parallelism, why = resolve_tensor_parallel(tr.strategy, tr.tensor_parallel,
                                                    cp=tr.context_parallel, **kw)
