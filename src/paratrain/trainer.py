@@ -205,7 +205,8 @@ class Trainer:
                               heads=() if isinstance(self.given, UserTask) else
                               attention_heads(cfg))
         check_context_parallel(cfg.trainer.context_parallel, world=nproc * d.min_nodes,
-                               tp=cfg.trainer.tensor_parallel)
+                               tp=cfg.trainer.tensor_parallel,
+                               pp=cfg.trainer.pipeline_parallel)
         if d.elastic:  # every world size the range allows must give the same global batch,
             check_elastic_batch(cfg.trainer.batch_size, cfg.trainer.global_batch_size, nproc,
                                 d.min_nodes, d.max_nodes)  # and the same pipeline stages

@@ -1,9 +1,9 @@
 """Pipeline parallelism with real gloo workers: P=2 on 2 processes (1f1b, gpipe, interleaved-1f1b,
-zero-bubble) against one process; P=2 x DDP 2, x FSDP 2 and x TP 2 on 4 processes; snapshots moving
-between pipeline and data-parallel layouts. Every run is a cached reference run (BASE: 16 steps
-of 8 sequences, a snapshot every 4 steps, sample ids recorded) of the tiny Llama with 4 blocks,
-2 sequences per micro-batch: the pipeline's micro-batches are the accumulation micro-batches of
-a step (4, or 2 per data-parallel group)."""
+zero-bubble) against one process; P=2 x DDP 2, x FSDP 2, x TP 2 and x CP 2 on 4 processes;
+snapshots moving between pipeline and data-parallel layouts. Every run is a cached reference run
+(BASE: 16 steps of 8 sequences, a snapshot every 4 steps, sample ids recorded) of the tiny Llama
+with 4 blocks, 2 sequences per micro-batch: the pipeline's micro-batches are the accumulation
+micro-batches of a step (4, or 2 per data-parallel group)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ DDP2 = {**L4, "trainer.strategy": "ddp"}
 PP2_DDP2 = {**PP2, "trainer.devices": "cpu:4"}
 PP2_FSDP2 = {**PP2_DDP2, "trainer.strategy": "fsdp"}
 PP2_TP2 = {**PP2_DDP2, "trainer.tensor_parallel": 2}
+# each stage's 2 processes a CP group: every 32-token window cut into 4 chunks of 8 (head-tail)
+PP2_CP2 = {**PP2_DDP2, "trainer.context_parallel": 2}
 
 
 def _ref(request, **extra):
@@ -59,18 +61,23 @@ def test_two_stages_per_process_is_one_process(request, schedule):
     (PP2_DDP2, "ddp+pp", {"dp_replicate": 2}, 0.5),
     (PP2_FSDP2, "fsdp+pp", {"dp_shard": 2}, 0.25),
     (PP2_TP2, "tp+pp", {"tp": 2}, 0.25),
-], ids=["ddp2", "fsdp2", "tp2"])
+    (PP2_CP2, "ddp+cp+pp", {"cp": 2}, 0.5),
+], ids=["ddp2", "fsdp2", "tp2", "cp2"])
 def test_pp2_x_two_on_four_processes_is_one_process(request, layout, strategy, dims, share):
     """A stage replicated (DDP), sharded (FSDP2, its gradients reduced by the schedule once per
-    step) or split (TP, the sequence-split stream crossing stages as a DTensor): the same run as
-    one process, and each rank holds half the blocks, or a half of that."""
+    step), split (TP, the sequence-split stream crossing stages as a DTensor) or a CP group
+    (each rank its head-tail chunks of every micro-batch, attention gathering the group's keys
+    and values, gradients averaged over the group): the same run as one process, and each rank
+    holds half the blocks, or a half of that."""
     one, run = _ref(request, **ONE), _ref(request, **layout)
     summary = read_summary(run)
     assert summary["strategy"] == strategy
     assert summary["parallel_dims"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1,
                                         **dims}
-    assert summary["grad_accum"] == (4 if "tp" in dims else 2)  # micro-batches per data group
+    assert summary["grad_accum"] == (2 if "dp_replicate" in dims or "dp_shard" in dims
+                                     else 4)  # micro-batches per data group
     assert_same_run(run, one)  # losses, grad norms, samples, weights: 1e-5
+    assert abs(summary["val_loss"] - read_summary(one)["val_loss"]) < 1e-5
     full = read_summary(one)["memory"][0]["params_bytes"]
     for entry in summary["memory"]:  # the embedding and the head are alike in size
         assert abs(entry["params_bytes"] / full - share) < 0.01, entry

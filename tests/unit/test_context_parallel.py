@@ -56,8 +56,8 @@ def test_cp_groups_are_taken_from_the_data_parallel_ranks():
      "trainer.context_parallel=2 takes packed windows (data.format=packed), not "
      "data.format=padded: use data.format=packed or trainer.context_parallel=1"),
     (["trainer.devices=cpu:2", "trainer.context_parallel=2", "trainer.pipeline_parallel=2"],
-     "trainer.context_parallel=2 cannot be combined with trainer.pipeline_parallel=2 yet; set "
-     "one of them to 1"),
+     "trainer.context_parallel=2 needs a world divisible by 2 x trainer.pipeline_parallel=2 = 4 "
+     "processes, but this run has 2; use trainer.context_parallel in 1, or more devices"),
     (["trainer.devices=cpu:2", "trainer.context_parallel=2", "data.document_mask=true"],
      "trainer.context_parallel=2 cannot split windows with data.document_mask=true yet (each "
      "rank would need every document's bounds); set one of them off"),

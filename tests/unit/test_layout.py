@@ -59,6 +59,14 @@ def _layout(world: int, local: int, *overrides: str):
      ParallelDims(1, 1, 2, cp=2), "fsdp+tp+cp", "fsdp+tp2+cp2"),  # FSDP2 shards over the cp
     (8, 8, ["trainer.strategy=ddp", "trainer.tensor_parallel=2", "trainer.context_parallel=2"],
      ParallelDims(2, 1, 2, cp=2), "hsdp+tp+cp", "hsdp+tp2+cp2"),  # ... whatever was asked
+    # a pipeline's stages: their data-parallel processes CP groups
+    (4, 4, ["trainer.pipeline_parallel=2", "trainer.context_parallel=2"],
+     ParallelDims(pp=2, cp=2), "ddp+cp+pp", "ddp+cp2+pp2"),
+    (8, 8, ["trainer.strategy=fsdp", "trainer.pipeline_parallel=2", "trainer.context_parallel=2"],
+     ParallelDims(1, 2, pp=2, cp=2), "fsdp+cp+pp", "fsdp+cp2+pp2"),
+    (8, 8, ["trainer.pipeline_parallel=2", "trainer.tensor_parallel=2",
+            "trainer.context_parallel=2"],
+     ParallelDims(1, 1, 2, pp=2, cp=2), "fsdp+tp+cp+pp", "fsdp+tp2+cp2+pp2"),
 ])
 def test_each_strategy_is_a_preset_of_the_sizes(world, local, overrides, dims, name, label):
     """The sizes, and the layout's name read from them (summary.json's `strategy`, the start
@@ -68,8 +76,10 @@ def test_each_strategy_is_a_preset_of_the_sizes(world, local, overrides, dims, n
     assert layout.dims == dims and layout.dims.world == world
     assert layout.name == name
     assert layout.dims.layout_name(layout.parallelism.data_label, degrees=True) == label
-    if dims.cp == 1:  # the wrapper's own name and label are the layout's
+    if dims.cp == 1 or dims.pp > 1:  # the wrapper's own name and label are the layout's
         assert (layout.parallelism.name, layout.parallelism.label) == (name, label)
+    if dims.pp > 1:  # the stages run by the pipeline's own sizes: the layout's, CP included
+        assert layout.parallelism.dims == dims
     assert layout.why  # every layout says why it is this one
 
 

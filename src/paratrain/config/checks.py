@@ -260,8 +260,6 @@ def _check_context_parallel(cfg: Any) -> None:
          "(model.arch=hf) cannot take it yet: use trainer.context_parallel=1"),
         (cfg.data.format != "packed", f"takes packed windows (data.format=packed), not "
          f"data.format={cfg.data.format}: use data.format=packed or trainer.context_parallel=1"),
-        (tr.pipeline_parallel > 1, f"cannot be combined with trainer.pipeline_parallel="
-         f"{tr.pipeline_parallel} yet; set one of them to 1"),
         (tr.cpu_offload, "is not supported with trainer.cpu_offload=true; set one of them off"),
         (cfg.data.document_mask, "cannot split windows with data.document_mask=true yet (each "
          "rank would need every document's bounds); set one of them off"),

@@ -236,14 +236,18 @@ def check_pipeline_parallel(pp: int, *, world: int, tp: int = 1,
                           f"processes into equal stages; use one of {_text(fits)}")
 
 
-def check_context_parallel(cp: int, *, world: int, tp: int = 1) -> None:
+def check_context_parallel(cp: int, *, world: int, tp: int = 1, pp: int = 1) -> None:
     """One ConfigError line when `trainer.context_parallel=cp` cannot split this job's
-    processes: each CP group of cp x tp processes (a TP group per chunk) must divide the world,
-    before anything is prepared (the sequence's side is config.checks')."""
-    if cp > 1 and world % (cp * tp):
-        fits = _text([d for d in range(1, world // tp + 1) if (world // tp) % d == 0]) \
-            if world % tp == 0 else "1"
-        group = f"{cp} x trainer.tensor_parallel={tp} = {cp * tp}" if tp > 1 else f"{cp}"
+    processes: each CP group of cp x tp processes (a TP group per chunk), in each of the `pp`
+    pipeline stages, must divide the world, before anything is prepared (the sequence's side is
+    config.checks')."""
+    inner = tp * pp  # the processes of a CP rank: its TP group, in every stage
+    if cp > 1 and world % (cp * inner):
+        fits = _text([d for d in range(1, world // inner + 1) if (world // inner) % d == 0]) \
+            if world % inner == 0 else "1"
+        group = f"{cp}" + "".join(f" x trainer.{k}={v}" for k, v in
+                                  (("tensor_parallel", tp), ("pipeline_parallel", pp)) if v > 1)
+        group += f" = {cp * inner}" if inner > 1 else ""
         raise ConfigError(f"trainer.context_parallel={cp} needs a world divisible by {group} "
                           f"processes, but this run has {world}; use trainer.context_parallel "
                           f"in {fits}, or more devices")

@@ -59,11 +59,13 @@ def resolve_layout(tr: Any, *, world_size: int, local_world_size: int, device: t
                     reshard_after_forward=tr.reshard_after_forward,
                     shard_group_size=tr.shard_group_size)
     if planned is not None and isinstance(planned.parallelism, PipelineParallel):
-        parallelism, why = planned.parallelism, planned.why  # auto's last resort
+        parallelism, why = planned.parallelism.with_context(tr.context_parallel), planned.why
+        # (auto's last resort, with trainer.context_parallel's CP groups in each stage)
     elif tr.pipeline_parallel > 1:
         parallelism, why = resolve_pipeline_parallel(
             tr.strategy, tr.pipeline_parallel, schedule=tr.pipeline_schedule,
-            split=tr.pipeline_split, num_layers=num_layers, tp=tr.tensor_parallel, **kw)
+            split=tr.pipeline_split, num_layers=num_layers, tp=tr.tensor_parallel,
+            cp=tr.context_parallel, **kw)
     elif tr.tensor_parallel > 1:
         parallelism, why = resolve_tensor_parallel(tr.strategy, tr.tensor_parallel,
                                                    cp=tr.context_parallel, **kw)

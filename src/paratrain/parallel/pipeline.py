@@ -21,6 +21,10 @@ run's one mesh (pp x dp_replicate x dp_shard x tp), as torchtitan composes PP x 
 FSDP2 part (fsdp, hsdp, tensor parallelism) is reduced by the schedule itself, once per step
 after its last micro-batch's backward (PipelineStage.perform_reduce_grad); tensor parallelism's
 sequence-split stream crosses between stages as a DTensor (each TP rank sends its slice).
+Context parallelism (`trainer.context_parallel=C`, parallel/context.py) makes each stage's
+data-parallel processes CP groups: `parallelize` sets the part's attention on the stage's `cp`
+slice of the mesh, `_run` cuts every micro-batch into the rank's head-tail chunks before the
+first stage (the targets on the last), and replicas average their gradients over dp x cp.
 
 Each rank keeps its part of the model as a `ModelPart` under the whole model's names
 (`layers.5.attention.wq.weight`), so the optimizer, snapshots (DCP) and the final model/ see a
@@ -31,6 +35,7 @@ data-parallel layouts as is.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional, Sequence
@@ -43,6 +48,7 @@ from ..data.dataset import IGNORE_INDEX
 from ..dist import DistEnv
 from ..errors import ConfigError
 from ..models.attention import WHOLE
+from .context import context_split
 from .dims import ParallelDims, check_pipeline_parallel
 from .pipeline_schedules import schedule_class
 from .parallelize import parallelize
@@ -82,6 +88,10 @@ class PipelineParallel(Parallelism):
 
     def layout(self, world: int) -> ParallelDims:
         return self.dims
+
+    def with_context(self, cp: int) -> "PipelineParallel":
+        """This pipeline with `cp` of each stage's data-parallel processes made CP groups."""
+        return dataclasses.replace(self, dims=self.dims.with_context(cp))
 
     @property
     def stage_parallelism(self) -> Parallelism:
@@ -138,12 +148,13 @@ def resolve_pipeline_parallel(requested: str, pp: int, *, schedule: str,
                               split: Optional[Sequence[int]], num_layers: int, world_size: int,
                               local_world_size: int, device: torch.device, tp: int = 1,
                               reshard_after_forward: bool = True,
-                              shard_group_size: Optional[int] = None
+                              shard_group_size: Optional[int] = None, cp: int = 1
                               ) -> tuple[PipelineParallel, str]:
     """(parallelism, why) for `trainer.pipeline_parallel=pp`: the stages' blocks, and what
     parallelizes each stage over its world / pp processes, resolved as it would be for a whole
     world of that many (`auto`: ddp; with tensor parallelism, fsdp over the data-parallel rest),
-    fixed in one ParallelDims with the pipeline outermost."""
+    fixed in one ParallelDims with the pipeline outermost (and `cp` of each stage's
+    data-parallel processes made context-parallel groups: parallel/context.py)."""
     check_pipeline_parallel(pp, world=world_size, tp=tp,
                             max_stages=num_layers // PIPELINE_SCHEDULES[schedule])
     stage_world = world_size // pp
@@ -154,7 +165,7 @@ def resolve_pipeline_parallel(requested: str, pp: int, *, schedule: str,
     data, why = resolve_tensor_parallel(requested, tp, **kw) if tp > 1 else \
         resolve_parallelism("ddp" if requested == "auto" else requested, **kw)
     stage = data.layout(stage_world)
-    dims = ParallelDims(stage.dp_replicate, stage.dp_shard, stage.tp, pp=pp)
+    dims = ParallelDims(stage.dp_replicate, stage.dp_shard, stage.tp, pp=pp).with_context(cp)
     blocks = pipeline_split(num_layers, pp, schedule, split)
     return (PipelineParallel(dims=dims, data=data, schedule=schedule, split=blocks),
             f"{why if stage_world > 1 else 'no data parallelism left'}; a pipeline of {pp} "
@@ -220,6 +231,15 @@ class ModelPart(nn.Module):
             return self.arch.head(self, x) if self.last else x  # (B, T, V) or (B, T, C)
 
 
+def _replica_group(mesh: Any, dims: ParallelDims) -> Any:
+    """The process group over which a replicated stage averages its gradients: its
+    data-parallel replicas, with each one's CP group when there is one (whose ranks computed
+    different tokens of the same samples)."""
+    if dims.cp == 1:
+        return mesh["dp_replicate"].get_group()
+    return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp").get_group()
+
+
 class _ScaledLoss:
     """The last stage's loss per micro-batch: `loss_sum(logits, targets, smoothing)` x scale,
     the unscaled sums kept for the log."""
@@ -261,9 +281,11 @@ class Pipeline:
         for part in parts:
             parallelism.parallelize_part(part, env, mesh, precision=precision, compile=compile,
                                          activation_checkpointing=activation_checkpointing)
-        # FSDP2 parts are reduced by the schedule; replicas average their gradients here
-        replicas = dims.dp > 1 and not isinstance(parallelism.stage_parallelism, FSDP)
-        self.dp_group = mesh["dp_replicate"].get_group() if replicas else None
+        # FSDP2 parts are reduced by the schedule (over dp x cp); replicas average their
+        # gradients here, over the data-parallel ranks and each one's CP group
+        replicas = dims.dp_cp > 1 and not isinstance(parallelism.stage_parallelism, FSDP)
+        self.dp_group = _replica_group(mesh, dims) if replicas else None
+        self.split = context_split(dims, env.rank)  # a CP rank's chunks of each sequence
         # a DTensor sent between stages (TP's stream) is rebuilt on the receiver's own slice
         stages = [PipelineStage(p, s, n, env.device, group=self.pp_group,
                                 get_mesh=lambda names, layout: mesh[names])
@@ -313,8 +335,10 @@ class Pipeline:
     def _run(self, run: Callable, micro: list[dict], scale: float, smoothing: float
              ) -> tuple[torch.Tensor, int]:
         dev = self.env.device
-        ids = torch.cat([mb["input_ids"] for mb in micro]).to(dev)  # (M*B, T): split M ways
-        targets = torch.cat([mb["targets"] for mb in micro]).to(dev)  # (M*B, T)
+        if self.split is not None:  # this CP rank's chunks of each sequence, before the first
+            micro = [self.split.batch(mb) for mb in micro]  # stage (the targets on the last)
+        ids = torch.cat([mb["input_ids"] for mb in micro]).to(dev)  # (M*B, T/C): split M ways
+        targets = torch.cat([mb["targets"] for mb in micro]).to(dev)  # (M*B, T/C)
         self.loss.scale, self.loss.smoothing, self.loss.sums = scale, smoothing, []
         run(*((ids,) if self.has_first else ()),
             **({"target": targets} if self.has_last else {}), return_outputs=False)

@@ -40,7 +40,7 @@ from .parallelize import apply_activation_checkpointing, parallelize
 from .precision import mixed_dtype, prepare_model
 from .pipeline import ModelPart, PipelineParallel, resolve_pipeline_parallel
 from .pipeline_schedules import in_flight
-from .simulate_context import META, context_layouts, context_line, context_traffic, \
+from .simulate_context import META, context_costs, context_layouts, context_line, \
     fused_attention
 from .strategies import Parallelism, resolve_parallelism
 from .tensor import resolve_tensor_parallel, split_tensor_parallel
@@ -150,8 +150,8 @@ def simulate(work: Workload, target: Target,
     activations: dict[tuple[int, bool, int], dict] = {}  # by (tp, checkpointing, cp): shared
     rows = []
     for parallelism, ac, asked, cp in [(*layout, 1) for layout in layouts] + list(context):
-        if parallelism.layout(target.world).pp > 1:
-            rows.append(_pipeline_row(work, target, parallelism, ac, asked))
+        if parallelism.layout(target.world).pp > 1:  # (its stages' CP groups: `cp`)
+            rows.append(_pipeline_row(work, target, parallelism.with_context(cp), ac, asked))
         else:
             rows.append(_row(work, target, parallelism, ac, asked, cp, activations))
     return rows
@@ -172,13 +172,9 @@ def _row(work: Workload, target: Target, parallelism: Parallelism, ac: bool, ask
                                  work.reshard_after_forward)
     for name, count in act["sent"].items():  # tensor parallel: per micro-step
         sent.setdefault("tp", {})[name] = count * accum
-    if cp > 1:
-        sent["cp"] = context_traffic(_model(work, 1).args, work.micro_batch, work.seq_length,
-                                     dims, work.num_layers * (2 if ac else 1), work.num_layers,
-                                     gathered_element_bytes(work.precision) * accum)
-    activation_bytes = int(act["saved"])
-    if cp > 1 and ac:  # CP's causal mask outlives the recomputed blocks (context.py)
-        activation_bytes += work.seq_length ** 2 // cp * gathered_element_bytes(work.precision)
+    cp_sent, mask = context_costs(_model(work, 1).args, work, dims, work.num_layers, ac, accum)
+    sent.update(cp_sent)
+    activation_bytes = int(act["saved"]) + mask
     gathered = 2 * int(act["block_numel"]) * gathered_element_bytes(work.precision) \
         if parallelism.sharded else 0  # FSDP: this block's full parameters and the next's
     params, n_tensors = int(state["params"]), int(state["tensors"])
@@ -198,7 +194,7 @@ def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
     dims, stages = pipeline.dims, pipeline.stages_of(0)
     blocks = sum(len(pipeline.blocks_of(s)) for s in stages)
     last = len(pipeline.split) - 1 in stages
-    idx = torch.zeros(work.micro_batch, work.seq_length, dtype=torch.long, device=META)
+    idx = torch.zeros(work.micro_batch, work.seq_length // dims.cp, dtype=torch.long, device=META)
     with fake_world(target.world), fused_attention():
         mesh = dims.build_mesh(META.type)
         run_part = ModelPart(_model(work, blocks), range(blocks), first=True, last=last)
@@ -207,6 +203,8 @@ def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
         part = ModelPart(_model(work, blocks, compute=True), range(blocks), first=True, last=last)
         if dims.tp > 1:  # tensor parallelism: the stream split by sequence
             split_tensor_parallel(part, mesh["tp"])
+        if dims.cp > 1:  # context parallelism: its K/V gathered as copies
+            set_context(part, SimulatedShard(dims.cp))
         if ac:
             apply_activation_checkpointing(part)
         with SavedTensorMeter(part) as meter:
@@ -220,13 +218,15 @@ def _pipeline_row(work: Workload, target: Target, pipeline: Any, ac: bool,
     sends = len(stages) - int(last)  # every stage but the last sends its output (its TP slice)
     sent = data_parallel_traffic(pipeline, state, target.world, micro, work.precision,
                                  work.reshard_after_forward)
-    sent["pp"] = {"send": sends * micro * work.micro_batch * work.seq_length *
+    sent["pp"] = {"send": sends * micro * work.micro_batch * idx.size(1) *  # (T/cp under CP)
                   part.args.hidden_size * gathered_element_bytes(work.precision) // dims.tp}
+    cp_sent, mask = context_costs(part.args, work, dims, blocks, ac, micro)
+    sent.update(cp_sent)
     params = local_bytes(named.values())
     parts = (params, params, 2 * params + 4 * len(named))
-    activation_bytes = meter.bytes * held
+    activation_bytes = meter.bytes * held + mask
     return Simulated(pipeline, ac, *parts, activation_bytes, activation_bytes + sum(parts),
-                     sent=sent, asked=asked, dims=dims.label)
+                     sent=sent, asked=asked, dims=dims.label, cp=dims.cp, sizes=dims)
 
 
 def _linear(work: Workload, measure: Callable[[int], dict]) -> dict:

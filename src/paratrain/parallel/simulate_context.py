@@ -13,6 +13,7 @@ from torch import nn
 from ..formatting import human_bytes
 from .memory_estimate import Choice, layout_keys
 from .strategies import Parallelism, resolve_parallelism
+from .traffic import gathered_element_bytes
 
 META = torch.device("meta")
 
@@ -26,6 +27,20 @@ def context_traffic(args: Any, micro_batch: int, seq_length: int, dims: Any, gat
         * args.head_dim * element_bytes  # (2, B, KV, T/C, D)
     per_layer = (dims.cp - 1) * chunk
     return {"all-gather": per_layer * gathers, "reduce-scatter": per_layer * scatters}
+
+
+def context_costs(args: Any, work: Any, dims: Any, layers: int, checkpointing: bool,
+                  micro_steps: int) -> tuple[dict, int]:
+    """What context parallelism adds to a row of `layers` blocks of `work` (simulate.Workload):
+    ({"cp": the bytes its gathers send per step, `context_traffic`}, the bytes of its causal
+    mask when the blocks are recomputed, which outlives them: context.py keeps one per shard).
+    ({}, 0) without it."""
+    if dims.cp == 1:
+        return {}, 0
+    element = gathered_element_bytes(work.precision)
+    sent = context_traffic(args, work.micro_batch, work.seq_length, dims,
+                           layers * (2 if checkpointing else 1), layers, element * micro_steps)
+    return {"cp": sent}, (work.seq_length ** 2 // dims.cp * element if checkpointing else 0)
 
 
 def context_layouts(world: int, devices_per_node: int, seq_length: int,

@@ -41,15 +41,21 @@ def data_parallel_traffic(parallelism: Parallelism, state: dict, world: int, acc
     reduce-scattered once per step (accumulation skips the sync), in fp32 under mixed
     precision, then all-reduced across replicas (HSDP's, or DDP's whole gradients)."""
     dims = parallelism.layout(world)
+    # a CP group's ranks sum their gradients as data-parallel ones do (a pipeline's sizes hold
+    # its stages' CP groups): with the shards (dp_shard x cp) when its stages shard, else with
+    # the replicas; the other layouts' rows give their presets' sizes, cp inside them
+    sharded = getattr(parallelism, "stage_parallelism", parallelism).sharded
+    shards = dims.dp_shard * (dims.cp if sharded else 1)
+    replicas = dims.dp_replicate * (1 if sharded else dims.cp)
     numel, root = int(state["numel"]), int(state["root_numel"])
     gather, grad = gathered_element_bytes(precision), 2 if precision == "bf16-true" else 4
     out: dict = {}
-    if dims.dp_shard > 1:
-        n = dims.dp_shard
+    if shards > 1:
+        n = shards
         regathered = numel - root if reshard_after_forward else 0
         out["dp_shard"] = {"all-gather": (n - 1) * (numel + regathered) * gather * accum,
                            "reduce-scatter": (n - 1) * numel * grad}
-    if dims.dp_replicate > 1:
-        n = dims.dp_replicate
+    if replicas > 1:
+        n = replicas
         out["dp_replicate"] = {"all-reduce": 2 * (n - 1) * numel * grad // n}
     return out
