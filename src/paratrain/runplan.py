@@ -131,7 +131,7 @@ def auto_choice(cfg: TrainConfig, task: Task, *, world_size: int, device: torch.
                     shard_group_size=tr.shard_group_size or local_world_size,
                     frozen_factory=probe.build_frozen, cache=probe.cache,
                     workspace=device_workspace(device),
-                    shallow=(probe.shallow, probe.blocks) if probe.shallow else None)
+                    shallow=probe.shallow)
     capacity = device_capacity(device, local_world_size) if capacity is None else capacity
     return choose(rows, capacity, lambda: auto_pipelines(
         cfg, task, world_size=world_size, local_world_size=local_world_size, device=device))

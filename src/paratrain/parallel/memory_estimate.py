@@ -296,8 +296,7 @@ def estimates_for_config(cfg, world: Optional[int] = None,
         frozen = cache = shallow = None
     else:
         factory, seq_length, vocab = probe.build_model, probe.seq_length, probe.vocab_size
-        frozen, cache = probe.build_frozen, probe.cache
-        shallow = (probe.shallow, probe.blocks) if probe.shallow else None
+        frozen, cache, shallow = probe.build_frozen, probe.cache, probe.shallow
     local = local_workers or len(devices)
     override = cfg.trainer.shard_group_size  # a bad one is the error `train` would give
     group = shard_group(world, local, override) if override is not None else local

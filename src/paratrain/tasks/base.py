@@ -40,10 +40,9 @@ class MemoryProbe:
     vocab_size: int
     build_frozen: Optional[Callable[[], dict[str, nn.Module]]] = None
     cache: Any = None  # online RL's generation cache (rl/memory.GenerationCache), or None
-    # the model cut to its first n blocks, and how many it has: the plan then measures
-    # activations on 1 and 2 blocks and extrapolates (tasks/probe.py), never building it whole
-    shallow: Optional[Callable[[int], nn.Module]] = None
-    blocks: int = 0
+    # (the model cut to its first n blocks, how many it has): the plan then measures activations
+    # on 1 and 2 blocks and extrapolates (tasks/probe.py), never building it whole
+    shallow: Optional[tuple[Callable[[int], nn.Module], int]] = None
 
 
 @dataclass

@@ -63,8 +63,7 @@ def causal_probe(cfg: Any, seq_length: int, vocab_size: int, rows: int = 1,
     """The plan's probe of the model a task trains (model.path), on samples of `rows` rows of
     `seq_length` tokens; `head`: CausalProbe's; `frozen`: MemoryProbe's build_frozen and cache."""
     probe = CausalProbe(cfg, rows, head)
-    return MemoryProbe(probe, seq_length, vocab_size, shallow=probe, blocks=probe.blocks,
-                       **frozen)
+    return MemoryProbe(probe, seq_length, vocab_size, shallow=(probe, probe.blocks), **frozen)
 
 
 class _Rows(nn.Module):
